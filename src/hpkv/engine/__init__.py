@@ -1,0 +1,1 @@
+"""The store that composes tiers: lookups across tiers, promotion, write-behind cascade."""

@@ -1,0 +1,335 @@
+"""KVStore: the tiered chunk store in one process (library users, tests, engines).
+
+Tiers, fastest first: memory pool -> storage. A lookup walks the chunks of a
+prompt in order, takes each from the fastest tier that holds it, and stops at
+the first chunk no tier holds; one prefix can come from several tiers. Reads
+from storage are promoted into memory. Writes go to memory synchronously and
+cascade to storage in the background.
+
+Thread-safety: every public method may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from hpkv.core import record
+from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
+from hpkv.core.keys import Namespace, Tokens, chunk_keys, tokens_to_array
+from hpkv.core.layout import KVLayout
+from hpkv.core.units import format_size
+from hpkv.engine.cascade import Cascade, WriteTarget
+from hpkv.tiers.disk import StorageTier
+from hpkv.tiers.memory import MemoryTier, SlotRef
+from hpkv.tiers.memory.pool import PAGE, ShmPool, pool_file_path
+
+# consume(chunk_index, payload) reads a verified payload (uint8, canonical layout);
+# produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep `payload`.
+Consume = Callable[[int, torch.Tensor], None]
+Produce = Callable[[int, torch.Tensor], None]
+
+
+class KVStore:
+    """Store and fetch the KV of token prefixes, chunk by chunk, across tiers.
+
+    ``model_id``, ``layout``, ``rank``/``world_size`` and ``config.salt`` form
+    the namespace: stores that differ in any of them never share a chunk.
+    """
+
+    def __init__(self, config: HpkvConfig, layout: KVLayout, model_id: str = "default",
+                 rank: int = 0, world_size: int = 1) -> None:
+        if not (0 <= rank < world_size):
+            raise HpkvConfigError(f"rank={rank} must be in [0, world_size={world_size}); use e.g. rank=0")
+        self.config = config
+        self.layout = layout
+        self.chunk_size = config.chunk_size
+        self.namespace = Namespace(model_id, layout, config.chunk_size, rank, world_size, config.salt)
+        self._ns = self.namespace.digest
+        self.payload_bytes = layout.chunk_bytes(self.chunk_size)
+        self.record_bytes = record.record_bytes(self.payload_bytes)
+        self._buf_bytes = -(-self.record_bytes // PAGE) * PAGE
+        self._chunk_shape = layout.chunk_shape(self.chunk_size)
+
+        self.memory: MemoryTier | None = None
+        self.storage: StorageTier | None = None
+        try:
+            if config.mem_pool_size > 0:
+                if config.mem_pool_size < self._buf_bytes:
+                    raise HpkvConfigError(
+                        f"{config.where('mem_pool_size')}={config.mem_pool_size} bytes holds no chunk "
+                        f"(one chunk of {self.chunk_size} tokens is {format_size(self._buf_bytes)}); "
+                        f"use e.g. {config.example('mem_pool_size')}, or 0 to disable the memory tier"
+                    )
+                path = pool_file_path(config.share_mem_file_path, self._ns.hex()[:8])
+                pool = ShmPool(path, config.mem_pool_size, where=config.where("mem_pool_size"),
+                               path_where=config.where("share_mem_file_path"))
+                self.memory = MemoryTier(pool, self.payload_bytes, self._ns)
+            root = config.resolved_storage_path
+            if root is not None:
+                self.storage = StorageTier(root, config.storage_size, self.payload_bytes, self._ns,
+                                           o_direct=config.storage_o_direct,
+                                           where=config.where("storage_path"))
+        except BaseException:
+            if self.memory is not None:
+                self.memory.close()
+            raise
+        targets: list[WriteTarget] = [self.storage] if self.storage is not None else []
+        self._cascade = Cascade(targets, self.memory, config.cascade_queue_chunks) if targets else None
+        self._io = ThreadPoolExecutor(config.storage_io_threads, thread_name_prefix="hpkv-io")
+        self._scratch = threading.local()
+        self._closed = False
+
+    # -- keys and lookups ------------------------------------------------------
+
+    def keys(self, tokens: Tokens, limit: int | None = None) -> list[bytes]:
+        """Keys of the full chunks of ``tokens``."""
+        return chunk_keys(self._ns, tokens, self.chunk_size, limit)
+
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers()]
+
+    def locate_keys(self, keys: list[bytes]) -> list[str | None]:
+        """Per key, the fastest tier that holds it; None from the first key no tier holds onwards."""
+        out: list[str | None] = []
+        tiers = self._tiers()
+        for key in keys:
+            name = next((t.name for t in tiers if t.contains(key)), None)
+            if name is None:
+                break
+            out.append(name)
+        return out + [None] * (len(keys) - len(out))
+
+    def locate(self, tokens: Tokens) -> list[str | None]:
+        """Per full chunk of ``tokens``: the tier that would serve it, or None (no tier, or after a gap)."""
+        return self.locate_keys(self.keys(tokens))
+
+    def lookup(self, tokens: Tokens) -> int:
+        """Tokens of the longest prefix of ``tokens`` that some mix of tiers holds (a multiple of chunk_size)."""
+        tiers = self._tiers()
+        n = 0
+        for key in self.keys(tokens):
+            if not any(t.contains(key) for t in tiers):
+                break
+            n += 1
+        return n * self.chunk_size
+
+    # -- reads -------------------------------------------------------------------
+
+    def load_chunks(self, keys: list[bytes], consume: Consume) -> int:
+        """Hand each chunk's verified payload to ``consume``; return how many leading chunks succeeded.
+
+        Memory hits are consumed on the calling thread; storage reads run in
+        parallel on the I/O pool, are verified, promoted into memory and
+        consumed there. Chunks after a failed one may still have been consumed;
+        only the returned prefix counts. Blocks until every read is done.
+        """
+        futures: dict[int, Future[bool]] = {}
+        done: dict[int, bool] = {}
+        # Start the slow reads first so they overlap with the memory copies.
+        located = self.locate_keys(keys)
+        for i, (key, tier) in enumerate(zip(keys, located, strict=True)):
+            if tier is None:
+                break
+            if tier != "memory":
+                futures[i] = self._io.submit(self._load_from_storage, i, key, consume)
+        for i, (key, tier) in enumerate(zip(keys, located, strict=True)):
+            if tier != "memory":
+                continue
+            ok = self._load_from_memory(i, key, consume)
+            if not ok:  # evicted since locate: fall back to storage
+                futures[i] = self._io.submit(self._load_from_storage, i, key, consume)
+            else:
+                done[i] = True
+        for i, fut in futures.items():
+            done[i] = fut.result()
+        n = 0
+        while done.get(n):
+            n += 1
+        return n
+
+    def get(self, tokens: Tokens) -> torch.Tensor:
+        """The KV of the full chunks of ``tokens``: ``[layers, 2, n, heads, dim]``, bit-exact.
+
+        ``n`` covers the verified prefix only: a chunk that is missing or fails
+        verification ends the result there (``n`` may be 0). Never unverified bytes.
+        """
+        keys = self.keys(tokens)
+        L, K, C, H, D = self._chunk_shape
+        out = torch.empty((L, K, len(keys) * C, H, D), dtype=self.layout.dtype)
+
+        def consume(i: int, payload: torch.Tensor) -> None:
+            out[:, :, i * C : (i + 1) * C].copy_(payload.view(self.layout.dtype).view(self._chunk_shape))
+
+        n = self.load_chunks(keys, consume)
+        return out[:, :, : n * C]
+
+    def _load_from_memory(self, i: int, key: bytes, consume: Consume) -> bool:
+        assert self.memory is not None
+        ref = self.memory.acquire(key)
+        if ref is None:
+            return False
+        try:
+            consume(i, ref.payload)
+        finally:
+            self.memory.release(ref)
+        return True
+
+    def _load_from_storage(self, i: int, key: bytes, consume: Consume) -> bool:
+        if self.storage is None:
+            return False
+        promo = self.memory.reserve(key) if self.memory is not None else None
+        if promo is not None:
+            assert self.memory is not None
+            if not self.storage.read_into(key, self.memory.slot_buffer(promo)):
+                self.memory.abort(promo)
+                return False
+            try:
+                consume(i, promo.payload)
+            finally:
+                self.memory.commit(promo, sealed=True)
+            return True
+        buf, tensor = self._scratch_buffer()
+        if not self.storage.read_into(key, buf):
+            return False
+        consume(i, tensor[record.HEADER_BYTES : record.HEADER_BYTES + self.payload_bytes])
+        return True
+
+    def _scratch_buffer(self) -> tuple[memoryview, torch.Tensor]:
+        """A page-aligned buffer of one record for this thread (O_DIRECT reads need the alignment)."""
+        s = self._scratch
+        if not hasattr(s, "buf"):
+            s.mm = mmap.mmap(-1, self._buf_bytes)
+            s.buf = memoryview(s.mm)
+            s.tensor = torch.frombuffer(s.mm, dtype=torch.uint8)
+        return s.buf, s.tensor
+
+    # -- writes ------------------------------------------------------------------
+
+    def store_chunks(self, keys: list[bytes], produce: Produce) -> int:
+        """Store each chunk whose payload ``produce`` writes; return how many leading chunks are now held.
+
+        Memory is written on the calling thread; storage gets the record through
+        the cascade (never blocking: a full queue drops that storage write).
+        Chunks a tier already holds are not rewritten.
+        """
+        held = 0
+        counting = True
+        for i, key in enumerate(keys):
+            ok = self._store_one(i, key, produce)
+            if counting and ok:
+                held += 1
+            else:
+                counting = False
+        return held
+
+    def put(self, tokens: Tokens, kv: torch.Tensor) -> int:
+        """Store the full chunks of ``tokens`` from ``kv`` ``[layers, 2, len(tokens), heads, dim]``.
+
+        Returns the tokens now held (or queued for storage) as a prefix, a multiple of chunk_size.
+        """
+        arr = tokens_to_array(tokens)
+        L, K, C, H, D = self._chunk_shape
+        expect = (L, K, len(arr), H, D)
+        if tuple(kv.shape) != expect:
+            raise ValueError(f"kv has shape {tuple(kv.shape)}; expected {expect} for {len(arr)} tokens")
+        if kv.dtype != self.layout.dtype:
+            raise ValueError(f"kv has dtype {kv.dtype}; the layout says {self.layout.dtype}")
+
+        def produce(i: int, payload: torch.Tensor) -> None:
+            payload.view(self.layout.dtype).view(self._chunk_shape).copy_(kv[:, :, i * C : (i + 1) * C])
+
+        return self.store_chunks(self.keys(arr), produce) * C
+
+    def _store_one(self, i: int, key: bytes, produce: Produce) -> bool:
+        need_storage = self.storage is not None and self._cascade is not None
+        if self.memory is not None:
+            if self.memory.contains(key):
+                if need_storage and not self.storage.contains(key):  # type: ignore[union-attr]
+                    held = self.memory.acquire(key, count=False)
+                    if held is not None:
+                        self._cascade.submit(key, held)  # type: ignore[union-attr]
+                return True
+            if need_storage and self.storage.contains(key):  # type: ignore[union-attr]
+                return True  # storage has it; a later hit promotes it
+            ref = self.memory.reserve(key)
+            if ref is not None:
+                return self._fill_slot(i, ref, produce, need_storage)
+        if not need_storage:
+            return False
+        assert self.storage is not None and self._cascade is not None
+        if self.storage.contains(key):
+            return True
+        buf = bytearray(self.record_bytes)
+        payload = torch.frombuffer(buf, dtype=torch.uint8)[record.HEADER_BYTES :]
+        produce(i, payload)
+        del payload
+        record.seal(memoryview(buf), self._ns, key, self.payload_bytes)
+        return self._cascade.submit(key, buf)
+
+    def _fill_slot(self, i: int, ref: SlotRef, produce: Produce, cascade: bool) -> bool:
+        assert self.memory is not None
+        try:
+            produce(i, ref.payload)
+        except BaseException:
+            self.memory.abort(ref)
+            raise
+        self.memory.commit(ref, keep_pin=cascade)
+        if cascade:
+            assert self._cascade is not None
+            self._cascade.submit(ref.key, ref)  # the cascade releases the pin
+        return True
+
+    # -- housekeeping ------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Wait until every write to storage submitted so far is on disk (or dropped)."""
+        if self._cascade is not None:
+            self._cascade.flush()
+
+    def clear(self, tiers: tuple[str, ...] = ("memory", "storage")) -> None:
+        """Drop every chunk from the named tiers (after pending writes land, so none reappears)."""
+        self.flush()
+        for t in self._tiers():
+            if t.name in tiers:
+                t.clear()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: hits, misses, corrupt, bytes_read, bytes_written, writes, writes_skipped,
+        evictions, errors, used_bytes, capacity_bytes, chunks."""
+        out = {t.name: t.stats() for t in self._tiers()}
+        return out
+
+    def check(self) -> None:
+        """Assert internal consistency (tests call this after fault injection)."""
+        for t in self._tiers():
+            t.check()
+
+    def close(self) -> None:
+        """Flush, stop threads, remove the memory pool file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._cascade is not None:
+            self._cascade.flush()
+            self._cascade.close()
+        self._io.shutdown(wait=True)
+        for t in self._tiers():
+            t.close()
+
+    def __enter__(self) -> KVStore:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _tiers(self) -> list[Any]:
+        return [t for t in (self.memory, self.storage) if t is not None]

@@ -1,0 +1,1 @@
+"""Storage tiers. Each imports only ``hpkv.core``."""

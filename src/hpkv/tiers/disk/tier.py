@@ -1,0 +1,263 @@
+"""The storage tier: one record file per chunk, ``<root>/v1/<2 hex>/<32 hex>.kv``.
+
+Survives restarts: the index is rebuilt by scanning the directory at start
+(oldest modification time = least recently used). Several processes may share
+one directory: writes are atomic renames, a reader holds its file open while
+an evictor unlinks it, and every read is verified, so none of them can see a
+torn or foreign record. Capacity is enforced by each process over the files it
+knows.
+
+Thread-safety: all methods may be called from any thread; the index is under
+one lock, file I/O runs outside it. Errors during a write skip the chunk and
+count an error; during a read they are a miss.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from hpkv.core import record
+from hpkv.core.errors import HpkvConfigError
+from hpkv.core.stats import TierStats
+from hpkv.tiers.disk.index import DiskIndex
+from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, write_atomic
+
+log = logging.getLogger(__name__)
+
+NAME = "storage"
+FORMAT_DIR = "v1"
+SUFFIX = ".kv"
+_STALE_TMP_S = 3600.0
+_LOG_EVERY_S = 30.0
+
+
+class StorageTier:
+    name = NAME
+
+    def __init__(self, root: str, capacity: int, payload_bytes: int, namespace: bytes, *,
+                 o_direct: bool = True, where: str = "HPKV_KV_STORAGE_PATH") -> None:
+        self.root = os.path.join(root, FORMAT_DIR)
+        self.payload_bytes = payload_bytes
+        self.record_bytes = record.record_bytes(payload_bytes)
+        self.namespace = namespace
+        self._reader = Reader(o_direct)
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._index = DiskIndex(capacity)
+        self._last_log = 0.0
+        try:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            for i in range(256):
+                os.makedirs(os.path.join(self.root, f"{i:02x}"), mode=0o700, exist_ok=True)
+            probe = os.path.join(self.root, f".probe.{os.getpid()}")
+            with open(probe, "wb"):
+                pass
+            os.unlink(probe)
+        except OSError as e:
+            raise HpkvConfigError(
+                f"{where}={root!r} is not a writable directory ({e.strerror}); "
+                "use a directory you can write, e.g. ~/storage"
+            ) from None
+        t0 = time.perf_counter()
+        self.scanned = self._scan()
+        self.scan_seconds = time.perf_counter() - t0
+
+    # -- paths and startup --------------------------------------------------
+
+    def path(self, key: bytes) -> str:
+        h = key.hex()
+        return f"{self.root}/{h[:2]}/{h}{SUFFIX}"
+
+    def _scan(self) -> int:
+        """Index every chunk file of this namespace's size; remove temp files left by crashes."""
+        found: list[tuple[float, bytes, int]] = []
+        now = time.time()
+        for i in range(256):
+            sub = os.path.join(self.root, f"{i:02x}")
+            try:
+                it = os.scandir(sub)
+            except OSError:
+                continue
+            with it:
+                for entry in it:
+                    name = entry.name
+                    try:
+                        if name.endswith(".tmp"):
+                            if now - entry.stat().st_mtime > _STALE_TMP_S:
+                                os.unlink(entry.path)
+                            continue
+                        if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
+                            continue
+                        st = entry.stat()
+                        key = bytes.fromhex(name[:32])
+                    except (OSError, ValueError):
+                        continue
+                    found.append((st.st_mtime, key, st.st_size))
+        found.sort()
+        with self._lock:
+            for _, key, size in found:
+                self._index.add(key, size)
+            excess = self._index.victims(0)
+        self._unlink_all(excess)
+        return len(found)
+
+    # -- lookups and reads ----------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        """True if a file for ``key`` exists (known here, or written by another process since)."""
+        with self._lock:
+            if key in self._index:
+                return True
+        try:
+            st = os.stat(self.path(key))
+        except OSError:
+            return False
+        with self._lock:
+            self._index.add(key, st.st_size)
+        return True
+
+    def read_into(self, key: bytes, buf: memoryview) -> bool:
+        """Read and verify the record of ``key`` into ``buf`` (page-aligned, page-rounded length
+        ≥ the record). True: ``buf`` holds a verified record. False: a counted miss."""
+        path = self.path(key)
+        try:
+            n, ino = self._reader.read(path, buf, self.record_bytes)
+        except FileNotFoundError:
+            self._forget(key)
+            self._stats.add("misses")
+            return False
+        except OSError as e:
+            self._error("read", path, e)
+            self._stats.add("misses")
+            return False
+        verdict = record.verify(buf, n, self.namespace, key, self.payload_bytes)
+        if verdict is not record.Verdict.OK:
+            self._stats.add("corrupt")
+            self._stats.add("misses")
+            self._rate_limited_log(f"hpkv: storage chunk {path} failed verification ({verdict.value}); "
+                                   "treated as a miss and removed")
+            self._remove_bad(key, path, ino)
+            return False
+        with self._lock:
+            self._index.touch(key)
+        self._stats.add("hits")
+        self._stats.add("bytes_read", self.payload_bytes)
+        return True
+
+    # -- writes -------------------------------------------------------------
+
+    def write(self, key: bytes, rec: memoryview) -> bool:
+        """Write a sealed record for ``key`` unless the tier already holds it. True if it is on disk now."""
+        if self.contains(key):
+            with self._lock:
+                self._index.touch(key)
+            return True
+        with self._lock:
+            if key in self._index:  # another thread of this process is writing it
+                return True
+            victims = self._index.victims(len(rec))
+            self._index.add(key, len(rec))
+        self._unlink_all(victims)
+        path = self.path(key)
+        try:
+            write_atomic(path, rec)
+        except OSError as e:
+            with self._lock:
+                self._index.remove(key)
+            self._stats.add("writes_skipped")
+            if e.errno in SOFT_ERRNOS:
+                self._error("write", path, e)
+                return False
+            raise
+        self._stats.add("writes")
+        self._stats.add("bytes_written", self.payload_bytes)
+        return True
+
+    # -- housekeeping ---------------------------------------------------------
+
+    def delete(self, key: bytes) -> bool:
+        self._forget(key)
+        try:
+            os.unlink(self.path(key))
+            return True
+        except OSError:
+            return False
+
+    def clear(self) -> int:
+        """Remove every chunk file under the root (all namespaces: it is this directory's cache)."""
+        with self._lock:
+            self._index.clear()
+        n = 0
+        for i in range(256):
+            sub = os.path.join(self.root, f"{i:02x}")
+            try:
+                names = os.listdir(sub)
+            except OSError:
+                continue
+            for name in names:
+                if name.endswith(SUFFIX):
+                    try:
+                        os.unlink(os.path.join(sub, name))
+                        n += 1
+                    except OSError:
+                        pass
+        return n
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            used, count, cap = self._index.used, len(self._index), self._index.capacity
+        return self._stats.snapshot(used_bytes=used, capacity_bytes=cap, chunks=count,
+                                    o_direct=int(self._reader.direct))
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Bump a counter from outside (the cascade counts writes it had to drop)."""
+        self._stats.add(name, n)
+
+    def check(self) -> None:
+        """Consistency check for tests: every indexed key has a file of the right size."""
+        with self._lock:
+            keys = self._index.keys()
+        for key in keys:
+            st = os.stat(self.path(key))
+            assert st.st_size == self.record_bytes, f"{self.path(key)} has {st.st_size} bytes"
+
+    def close(self) -> None:
+        pass
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _forget(self, key: bytes) -> None:
+        with self._lock:
+            self._index.remove(key)
+
+    def _unlink_all(self, keys: list[bytes]) -> None:
+        for key in keys:
+            try:
+                os.unlink(self.path(key))
+                self._stats.add("evictions")
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._error("evict", self.path(key), e)
+
+    def _remove_bad(self, key: bytes, path: str, ino: int) -> None:
+        """Unlink a record that failed verification, unless another process has replaced it since."""
+        self._forget(key)
+        try:
+            if os.stat(path).st_ino == ino:
+                os.unlink(path)
+        except OSError:
+            pass
+
+    def _error(self, what: str, path: str, e: OSError) -> None:
+        self._stats.add("errors")
+        self._rate_limited_log(f"hpkv: storage {what} failed for {path}: {e.strerror} (errno {e.errno})")
+
+    def _rate_limited_log(self, msg: str) -> None:
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:
+            self._last_log = now
+            log.warning(msg)

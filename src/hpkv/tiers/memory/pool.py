@@ -1,0 +1,197 @@
+"""The shared-memory file behind the memory pool: create, reclaim, map, release.
+
+System calls only; no bookkeeping. The file is created with mode 0600, its
+space allocated up front with ``posix_fallocate`` (so a tmpfs that is too
+small fails here, at start, rather than with SIGBUS on a later write), and
+held with a shared ``flock`` for the life of the process. A file that nobody
+holds a lock on is left over from a crashed process and is removed at the
+next start in the same directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import re
+import threading
+
+import torch
+
+from hpkv.core.errors import HpkvConfigError
+
+log = logging.getLogger(__name__)
+
+PAGE = mmap.PAGESIZE
+_POOL_RE = re.compile(r"^hpkv-(\d+)-[0-9a-f]+\.shm$")
+_counter = 0
+_counter_lock = threading.Lock()
+
+
+def pool_file_path(share_mem_file_path: str, tag: str) -> str:
+    """Where this process's pool file goes.
+
+    A path ending in ``.shm`` is the file itself; anything else is a directory
+    (created if missing) in which each process gets ``hpkv-<pid>-<tag>.shm``,
+    so several engines can share one directory.
+    """
+    global _counter
+    path = os.path.abspath(os.path.expanduser(share_mem_file_path))
+    if path.endswith(".shm"):
+        return path
+    with _counter_lock:
+        _counter += 1
+        n = _counter
+    return os.path.join(path, f"hpkv-{os.getpid()}-{tag}{n:02x}.shm")
+
+
+def reclaim_stale(directory: str) -> list[str]:
+    """Remove pool files in ``directory`` whose owner is gone (no process holds their lock)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        m = _POOL_RE.match(name)
+        if not m:
+            continue
+        pid = int(m.group(1))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+            log.warning("hpkv: removed stale memory pool file %s left by process %d", path, pid)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _reclaim_if_unlocked(path: str) -> None:
+    """Remove ``path`` if no process holds its lock (a named pool file left by a crash)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.unlink(path)
+        log.warning("hpkv: removed stale memory pool file %s", path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class ShmPool:
+    """One mapped shared-memory file of ``size`` bytes.
+
+    ``tensor`` is a uint8 CPU tensor over the whole mapping; slot views are
+    slices of it (no copies). ``close()`` unmaps and removes the file.
+    """
+
+    def __init__(self, path: str, size: int, *, where: str = "HPKV_KV_MEM_POOL_SIZE",
+                 path_where: str = "HPKV_SHARE_MEM_FILE_PATH") -> None:
+        self.path = path
+        self.size = size
+        directory = os.path.dirname(path)
+        try:
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise HpkvConfigError(
+                f"{path_where}={directory!r} cannot be created ({e.strerror}); "
+                "use a directory on a tmpfs you can write, e.g. /dev/shm/hpkv"
+            ) from None
+        reclaim_stale(directory)
+        if os.path.exists(path):
+            _reclaim_if_unlocked(path)
+        try:
+            st = os.statvfs(directory)
+        except OSError as e:
+            raise HpkvConfigError(f"{path_where}={directory!r} is not usable ({e.strerror})") from None
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise HpkvConfigError(
+                f"{where}={size} bytes does not fit in {directory} ({free} bytes free); "
+                f"use a smaller pool, e.g. {max(free // 2 // 2**20, 1)}MiB, or a larger tmpfs"
+            )
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            raise HpkvConfigError(
+                f"{path_where}={path!r} already exists and is in use by another process; "
+                "use a directory instead, e.g. /dev/shm/hpkv, so each process gets its own file"
+            ) from None
+        except OSError as e:
+            raise HpkvConfigError(
+                f"{path_where}={path!r} cannot be created ({e.strerror}); use e.g. /dev/shm/hpkv"
+            ) from None
+        self._fd = fd
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+                    raise HpkvConfigError(
+                        f"{where}={size} bytes cannot be allocated in {directory} ({e.strerror}); "
+                        "use a smaller pool or a larger tmpfs"
+                    ) from None
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                os.ftruncate(fd, size)  # a filesystem without fallocate
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.view = memoryview(self._mm)
+        self._closed = False
+
+    def close(self) -> None:
+        """Unmap and remove the file. Views still held elsewhere keep the memory alive until dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        _unlink_quietly(self.path)
+        self.view.release()
+        del self.tensor
+        try:
+            self._mm.close()
+        except BufferError:
+            # Someone still holds a tensor view; the mapping goes when it does.
+            pass
+        os.close(self._fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,113 @@
+"""Slot bookkeeping for the memory pool: which key lives in which slot, LRU order, pins.
+
+Pure data structure, no I/O. Not thread-safe by itself: :class:`MemoryTier`
+calls it under one lock, and does the byte copies outside that lock while the
+slots involved are pinned.
+
+Slot states:
+    free      on the free list
+    reserved  handed to a writer by :meth:`reserve`, not yet visible
+    live      in the index (visible to lookups), possibly pinned
+    doomed    removed from the index while pinned; freed at the last unpin
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class SlotIndex:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._lru: OrderedDict[bytes, int] = OrderedDict()  # oldest first
+        self._pins = [0] * num_slots
+        self._doomed: set[int] = set()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def pin(self, key: bytes) -> int | None:
+        """Pin the slot of ``key`` and mark it most recently used; None if absent."""
+        slot = self._lru.get(key)
+        if slot is None:
+            return None
+        self._lru.move_to_end(key)
+        self._pins[slot] += 1
+        return slot
+
+    def unpin(self, slot: int) -> None:
+        assert self._pins[slot] > 0, f"slot {slot} unpinned more often than pinned"
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0 and slot in self._doomed:
+            self._doomed.discard(slot)
+            self._free.append(slot)
+
+    def reserve(self) -> tuple[int, bytes | None] | None:
+        """A slot for a new record, pinned: a free one, or the least recently used unpinned one.
+
+        Returns ``(slot, evicted_key)``, or None when every slot is pinned or
+        reserved (the caller skips the write; it never waits). Eviction looks
+        past pinned entries, so it is O(1) unless many slots are pinned at once.
+        """
+        if self._free:
+            slot = self._free.pop()
+            self._pins[slot] = 1
+            return slot, None
+        for key, slot in self._lru.items():
+            if self._pins[slot] == 0:
+                del self._lru[key]
+                self._pins[slot] = 1
+                self.evictions += 1
+                return slot, key
+        return None
+
+    def commit(self, slot: int, key: bytes, *, keep_pin: bool = False) -> None:
+        """Make a reserved slot visible under ``key`` as most recently used."""
+        old = self._lru.get(key)
+        if old is not None:  # a concurrent writer won; keep theirs, free ours
+            self.abort(slot)
+            return
+        self._lru[key] = slot
+        if not keep_pin:
+            self.unpin(slot)
+
+    def abort(self, slot: int) -> None:
+        """Give back a reserved slot that was never committed."""
+        self._pins[slot] -= 1
+        assert self._pins[slot] == 0
+        self._free.append(slot)
+
+    def remove(self, key: bytes) -> bool:
+        slot = self._lru.pop(key, None)
+        if slot is None:
+            return False
+        if self._pins[slot]:
+            self._doomed.add(slot)
+        else:
+            self._free.append(slot)
+        return True
+
+    def clear(self) -> int:
+        keys = list(self._lru)
+        for key in keys:
+            self.remove(key)
+        return len(keys)
+
+    def pinned(self) -> int:
+        return sum(1 for p in self._pins if p)
+
+    def check(self) -> None:
+        """Consistency check for tests: every slot is in exactly one state."""
+        live = set(self._lru.values())
+        free = set(self._free)
+        assert len(free) == len(self._free), "a slot is on the free list twice"
+        assert len(live) == len(self._lru), "two keys share a slot"
+        assert not (live & free), "a live slot is also free"
+        assert not (self._doomed & (live | free)), "a doomed slot is live or free"
+        for s in free:
+            assert self._pins[s] == 0, f"free slot {s} is pinned"
