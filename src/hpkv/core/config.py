@@ -110,14 +110,18 @@ class HpkvConfig:
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        origins = dict(self.origins)
         for f in dataclasses.fields(self):
             if f.name == "origins":
                 continue
             spec = _SPECS[f.name]
             raw = getattr(self, f.name)
-            where = self.origins.get(f.name, f.name)
-            object.__setattr__(self, f.name, _convert(f.name, spec, raw, where))
-        object.__setattr__(self, "origins", dict(self.origins))
+            where = origins.get(f.name, f.name)
+            value = _convert(f.name, spec, raw, where)
+            object.__setattr__(self, f.name, value)
+            if f.name not in origins and value != f.default:
+                origins[f.name] = f.name  # passed as a keyword: name the keyword in later messages
+        object.__setattr__(self, "origins", origins)
 
     # -- construction -----------------------------------------------------
 

@@ -60,7 +60,9 @@ def tokens_to_array(tokens: Tokens) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<i8")
 
 
-def chunk_keys(namespace_digest: bytes, tokens: Tokens, chunk_size: int, limit: int | None = None) -> list[bytes]:
+def chunk_keys(
+    namespace_digest: bytes, tokens: Tokens, chunk_size: int, limit: int | None = None
+) -> list[bytes]:
     """Keys of the full chunks of ``tokens`` (a trailing partial chunk has no key).
 
     ``limit`` caps how many keys are computed (lookups that stop early).
@@ -69,7 +71,7 @@ def chunk_keys(namespace_digest: bytes, tokens: Tokens, chunk_size: int, limit: 
     n = len(arr) // chunk_size
     if limit is not None:
         n = min(n, limit)
-    raw = memoryview(arr).cast("B")
+    raw = arr.view(np.uint8).data  # a memoryview over the same bytes
     step = chunk_size * 8
     keys: list[bytes] = []
     prev = namespace_digest

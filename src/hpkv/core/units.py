@@ -34,9 +34,8 @@ def parse_size(value: object) -> int:
     number, unit, suffix = m.groups()
     if suffix.lower() == "i":  # "16Gi" is fine, "16i" is not
         suffix = "ib"
-    if not unit and suffix:
-        if suffix.lower() != "b":
-            raise ValueError("not a size")
+    if not unit and suffix and suffix.lower() != "b":
+        raise ValueError("not a size")
     return int(float(number) * (1024 ** _POWERS[unit.lower()]))
 
 

@@ -112,7 +112,7 @@ class KVStore:
         return self.locate_keys(self.keys(tokens))
 
     def lookup(self, tokens: Tokens) -> int:
-        """Tokens of the longest prefix of ``tokens`` that some mix of tiers holds (a multiple of chunk_size)."""
+        """Tokens of the longest prefix of ``tokens`` that a mix of tiers holds (a multiple of chunk_size)."""
         tiers = self._tiers()
         n = 0
         for key in self.keys(tokens):
@@ -327,8 +327,9 @@ class KVStore:
     def __enter__(self) -> KVStore:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
     def _tiers(self) -> list[Any]:

@@ -8,6 +8,7 @@ be empty or hold garbage, which the record checksum turns into a miss.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -32,10 +33,8 @@ def write_atomic(path: str, data: memoryview) -> None:
     except BaseException:
         if fd >= 0:
             os.close(fd)
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 

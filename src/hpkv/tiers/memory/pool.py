@@ -10,6 +10,7 @@ next start in the same directory.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -25,7 +26,7 @@ from hpkv.core.errors import HpkvConfigError
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
-_POOL_RE = re.compile(r"^hpkv-(\d+)-[0-9a-f]+\.shm$")
+_POOL_RE = re.compile(r"^hpkv-(\d+)-[0-9A-Za-z]+\.shm$")
 _counter = 0
 _counter_lock = threading.Lock()
 
@@ -182,16 +183,12 @@ class ShmPool:
         _unlink_quietly(self.path)
         self.view.release()
         del self.tensor
-        try:
+        # Someone may still hold a tensor view; the mapping then goes when it does.
+        with contextlib.suppress(BufferError):
             self._mm.close()
-        except BufferError:
-            # Someone still holds a tensor view; the mapping goes when it does.
-            pass
         os.close(self._fd)
 
 
 def _unlink_quietly(path: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hpkv import HpkvConfig, HpkvConfigError
+from hpkv.core.units import parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("16G", 16 << 30), ("512MiB", 512 << 20), ("1.5GB", int(1.5 * (1 << 30))), ("4096", 4096),
+     ("0", 0), ("2k", 2048), ("3 TiB", 3 << 40), ("7b", 7), (1024, 1024)],
+)
+def test_sizes(text: object, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+def test_defaults() -> None:
+    c = HpkvConfig()
+    assert c.mem_pool_size == 4 << 30
+    assert c.share_mem_file_path == "/dev/shm/hpkv"
+    assert c.storage_path is None
+    assert c.storage_size == 64 << 30
+    assert c.chunk_size == 256
+
+
+def test_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPKV_KV_MEM_POOL_SIZE", "16G")
+    monkeypatch.setenv("HPKV_SHARE_MEM_FILE_PATH", "/mnt/hpkv")
+    monkeypatch.setenv("HPKV_KV_STORAGE_PATH", "~/storage")
+    monkeypatch.setenv("HPKV_CHUNK_SIZE", "128")
+    c = HpkvConfig.from_env()
+    assert c.mem_pool_size == 16 << 30
+    assert c.share_mem_file_path == "/mnt/hpkv"
+    assert c.storage_path == "~/storage"
+    # The seed quotes "~/storage", so the shell leaves ~ alone; hpkv expands it.
+    assert c.resolved_storage_path == str(Path.home() / "storage")
+    assert c.chunk_size == 128
+
+
+def test_precedence_kwargs_over_env_over_yaml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    y = tmp_path / "hpkv.yaml"
+    y.write_text("chunk_size: 64\nkv_storage_size: 10G\nmax_local_cpu_size: 2\nsalt: from-yaml\n")
+    monkeypatch.setenv("HPKV_CONFIG_FILE", str(y))
+    monkeypatch.setenv("HPKV_CHUNK_SIZE", "32")
+    c = HpkvConfig.from_env(salt="kw")
+    assert c.chunk_size == 32  # env beats YAML
+    assert c.storage_size == 10 << 30  # YAML beats default
+    assert c.mem_pool_size == 2 << 30  # LMCache's max_local_cpu_size is GB
+    assert c.salt == "kw"  # keyword beats all
+
+
+def test_lmcache_names(tmp_path: Path) -> None:
+    y = tmp_path / "lm.yaml"
+    y.write_text("chunk_size: 256\nlocal_cpu: false\n"
+                 "local_disk: 'file:///tmp/lmc/'\nmax_local_disk_size: 5\n")
+    c = HpkvConfig.from_yaml(str(y))
+    assert c.mem_pool_size == 0
+    assert c.storage_path == "/tmp/lmc/"
+    assert c.storage_size == 5 << 30
+
+
+@pytest.mark.parametrize(
+    ("var", "value", "example"),
+    [
+        ("HPKV_KV_MEM_POOL_SIZE", "16X", "16G"),
+        ("HPKV_KV_MEM_POOL_SIZE", "-1", "16G"),
+        ("HPKV_KV_STORAGE_SIZE", "lots", "64G"),
+        ("HPKV_CHUNK_SIZE", "0", "256"),
+        ("HPKV_CHUNK_SIZE", "abc", "256"),
+        ("HPKV_STORAGE_IO_THREADS", "-3", "4"),
+        ("HPKV_STORAGE_O_DIRECT", "maybe", "true"),
+        ("HPKV_SHARE_MEM_FILE_PATH", "", "/dev/shm/hpkv"),
+    ],
+)
+def test_bad_env_values_name_the_variable(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, example: str
+) -> None:
+    monkeypatch.setenv(var, value)
+    with pytest.raises(HpkvConfigError) as e:
+        HpkvConfig.from_env()
+    msg = str(e.value)
+    assert var in msg and repr(value) in msg and example in msg
+
+
+def test_unknown_variable_is_rejected_with_suggestion(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPKV_KV_MEM_POOL_SZE", "1G")
+    with pytest.raises(HpkvConfigError, match="did you mean HPKV_KV_MEM_POOL_SIZE"):
+        HpkvConfig.from_env()
+
+
+def test_unknown_yaml_key_is_rejected(tmp_path: Path) -> None:
+    y = tmp_path / "bad.yaml"
+    y.write_text("chunk_sise: 256\n")
+    with pytest.raises(HpkvConfigError, match=r"chunk_sise.*did you mean chunk_size"):
+        HpkvConfig.from_yaml(str(y))
+
+
+def test_bad_yaml_value_names_key_and_file(tmp_path: Path) -> None:
+    y = tmp_path / "bad.yaml"
+    y.write_text("kv_mem_pool_size: 12Q\n")
+    with pytest.raises(HpkvConfigError) as e:
+        HpkvConfig.from_yaml(str(y))
+    assert "kv_mem_pool_size" in str(e.value) and str(y) in str(e.value) and "'12Q'" in str(e.value)
+
+
+def test_unreadable_or_invalid_yaml(tmp_path: Path) -> None:
+    with pytest.raises(HpkvConfigError, match="HPKV_CONFIG_FILE"):
+        HpkvConfig.from_yaml(str(tmp_path / "missing.yaml"))
+    y = tmp_path / "list.yaml"
+    y.write_text("- a\n- b\n")
+    with pytest.raises(HpkvConfigError, match="mapping"):
+        HpkvConfig.from_yaml(str(y))
+
+
+def test_keyword_errors_name_the_keyword() -> None:
+    with pytest.raises(HpkvConfigError, match=r"mem_pool_size='16X'.*16G"):
+        HpkvConfig(mem_pool_size="16X")
+    with pytest.raises(HpkvConfigError, match="unknown key"):
+        HpkvConfig.load({"no_such_setting": 1})
+
+
+def test_config_is_frozen() -> None:
+    c = HpkvConfig()
+    with pytest.raises(AttributeError):
+        c.chunk_size = 3  # type: ignore[misc]
+
+
+def test_config_error_is_a_value_error() -> None:
+    with pytest.raises(ValueError):
+        HpkvConfig(chunk_size=-5)

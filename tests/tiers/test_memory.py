@@ -1,0 +1,191 @@
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from hpkv import HpkvConfigError
+from hpkv.core import record
+from hpkv.tiers.memory import MemoryTier
+from hpkv.tiers.memory.pool import ShmPool, pool_file_path, reclaim_stale
+from hpkv.tiers.memory.slots import SlotIndex
+
+NS = b"n" * 16
+PAYLOAD = 10_000
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def make_tier(shm_dir: str, slots: int) -> MemoryTier:
+    slot_bytes = -(-record.record_bytes(PAYLOAD) // 4096) * 4096
+    pool = ShmPool(pool_file_path(shm_dir, "t"), slots * slot_bytes)
+    return MemoryTier(pool, PAYLOAD, NS)
+
+
+def put(tier: MemoryTier, key: bytes, fill: int) -> bool:
+    ref = tier.reserve(key)
+    if ref is None:
+        return False
+    ref.payload.fill_(fill)
+    tier.commit(ref)
+    return True
+
+
+def test_slot_index_lru_and_pins() -> None:
+    idx = SlotIndex(2)
+    for i in range(2):
+        got = idx.reserve()
+        assert got is not None
+        idx.commit(got[0], k(i))
+    pinned = idx.pin(k(0))  # k(0) is now most recently used and pinned
+    assert pinned is not None
+    got = idx.reserve()
+    assert got is not None and got[1] == k(1)  # LRU unpinned victim
+    idx.commit(got[0], k(2))
+    idx.pin(k(2))
+    assert idx.reserve() is None  # all pinned: no victim, no waiting
+    idx.unpin(pinned)
+    idx.check()
+
+
+def test_slot_index_remove_while_pinned_frees_on_unpin() -> None:
+    idx = SlotIndex(1)
+    got = idx.reserve()
+    assert got is not None
+    idx.commit(got[0], k(0))
+    slot = idx.pin(k(0))
+    assert slot is not None
+    assert idx.remove(k(0))
+    assert idx.reserve() is None  # the slot is still being read
+    idx.unpin(slot)
+    assert idx.reserve() is not None
+    idx.check()
+
+
+def test_pool_file_mode_and_removal(shm_dir: str) -> None:
+    tier = make_tier(shm_dir, 4)
+    path = tier.pool.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert os.stat(path).st_blocks * 512 >= tier.pool.size  # space allocated up front
+    tier.close()
+    assert not os.path.exists(path)
+
+
+def test_round_trip_and_eviction(shm_dir: str) -> None:
+    tier = make_tier(shm_dir, 3)
+    try:
+        for i in range(5):
+            assert put(tier, k(i), i)
+        assert [tier.contains(k(i)) for i in range(5)] == [False, False, True, True, True]
+        ref = tier.acquire(k(3))
+        assert ref is not None and bool((ref.payload == 3).all())
+        tier.release(ref)
+        s = tier.stats()
+        assert s["evictions"] == 2 and s["hits"] == 1 and s["chunks"] == 3
+        tier.check()
+    finally:
+        tier.close()
+
+
+def test_full_of_pinned_slots_skips_the_write(shm_dir: str) -> None:
+    tier = make_tier(shm_dir, 2)
+    try:
+        put(tier, k(0), 0)
+        put(tier, k(1), 1)
+        refs = [tier.acquire(k(0)), tier.acquire(k(1))]
+        assert not put(tier, k(2), 2)
+        assert tier.stats()["writes_skipped"] == 1
+        for r in refs:
+            assert r is not None
+            tier.release(r)
+        assert put(tier, k(2), 2)
+        tier.check()
+    finally:
+        tier.close()
+
+
+def test_corrupt_header_in_slot_is_a_miss(shm_dir: str) -> None:
+    tier = make_tier(shm_dir, 2)
+    try:
+        put(tier, k(0), 7)
+        ref = tier.acquire(k(0))
+        assert ref is not None
+        ref.record[0] ^= 0xFF  # someone scribbled on the shared file
+        tier.release(ref)
+        assert tier.acquire(k(0)) is None
+        assert tier.stats()["corrupt"] == 1
+        assert not tier.contains(k(0))
+    finally:
+        tier.close()
+
+
+def test_stale_pool_file_of_dead_process_is_reclaimed(shm_dir: str) -> None:
+    code = textwrap.dedent(f"""
+        import os
+        from hpkv.tiers.memory.pool import ShmPool, pool_file_path
+        p = ShmPool(pool_file_path({shm_dir!r}, "x"), 1 << 20)
+        print(p.path, flush=True)
+        os._exit(0)  # crash: no close(), the file stays
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    stale = out.stdout.strip()
+    assert os.path.exists(stale)
+    assert stale in reclaim_stale(shm_dir)
+    assert not os.path.exists(stale)
+
+
+def test_live_pool_file_is_not_reclaimed(shm_dir: str) -> None:
+    tier = make_tier(shm_dir, 1)
+    try:
+        other = make_tier(shm_dir, 1)  # a second start in the same directory
+        assert os.path.exists(tier.pool.path)
+        other.close()
+    finally:
+        tier.close()
+
+
+def test_pool_larger_than_tmpfs_is_a_config_error(shm_dir: str) -> None:
+    os.makedirs(shm_dir, exist_ok=True)
+    st = os.statvfs(shm_dir)
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    with pytest.raises(HpkvConfigError, match="HPKV_KV_MEM_POOL_SIZE"):
+        ShmPool(pool_file_path(shm_dir, "t"), too_big)
+    assert not [n for n in os.listdir(shm_dir) if n.endswith(".shm")]
+
+
+def test_pool_on_a_small_real_tmpfs(small_tmpfs: str | None) -> None:
+    if small_tmpfs is None:
+        pytest.fail("mount -t tmpfs was refused; this test needs root (CI runs as root)")
+    with pytest.raises(HpkvConfigError, match="HPKV_KV_MEM_POOL_SIZE"):
+        ShmPool(pool_file_path(small_tmpfs, "t"), 4 << 20)
+    pool = ShmPool(pool_file_path(small_tmpfs, "t"), 512 << 10)
+    pool.tensor.fill_(1)  # the whole allocation is usable: no SIGBUS
+    pool.close()
+
+
+def test_unwritable_pool_directory(tmp_path: object) -> None:
+    blocker = os.path.join(str(tmp_path), "a-file")
+    open(blocker, "w").close()
+    with pytest.raises(HpkvConfigError, match="HPKV_SHARE_MEM_FILE_PATH"):
+        ShmPool(pool_file_path(os.path.join(blocker, "pool"), "t"), 1 << 20)
+
+
+def test_payload_views_share_the_mapping(shm_dir: str) -> None:
+    tier = make_tier(shm_dir, 2)
+    try:
+        ref = tier.reserve(k(9))
+        assert ref is not None
+        ref.payload.copy_(torch.arange(PAYLOAD, dtype=torch.int64).to(torch.uint8))
+        tier.commit(ref)
+        with open(tier.pool.path, "rb") as f:
+            f.seek(record.HEADER_BYTES)
+            assert f.read(16) == bytes(range(16))
+    finally:
+        tier.close()

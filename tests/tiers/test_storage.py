@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import stat
+
+import pytest
+
+from hpkv import HpkvConfigError
+from hpkv.core import record
+from hpkv.tiers.disk import StorageTier
+
+NS = b"s" * 16
+PAYLOAD = 5000
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def rec(key: bytes, fill: int, ns: bytes = NS, payload: int = PAYLOAD) -> memoryview:
+    buf = bytearray(record.record_bytes(payload))
+    buf[record.HEADER_BYTES :] = bytes([fill]) * payload
+    record.seal(memoryview(buf), ns, key, payload)
+    return memoryview(buf)
+
+
+def buf() -> memoryview:
+    return memoryview(mmap.mmap(-1, 8192))
+
+
+def tier(root: str, capacity: int = 1 << 30, **kw: object) -> StorageTier:
+    return StorageTier(root, capacity, PAYLOAD, NS, **kw)  # type: ignore[arg-type]
+
+
+def test_write_read_and_file_layout(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    assert t.write(k(1), rec(k(1), 1))
+    path = t.path(k(1))
+    assert path.startswith(os.path.join(storage_dir, "v1", k(1).hex()[:2]))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    b = buf()
+    assert t.read_into(k(1), b)
+    assert bytes(b[record.HEADER_BYTES : record.HEADER_BYTES + PAYLOAD]) == b"\x01" * PAYLOAD
+    assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")]
+
+
+def test_buffered_reads_when_o_direct_is_off(storage_dir: str) -> None:
+    t = tier(storage_dir, o_direct=False)
+    t.write(k(1), rec(k(1), 3))
+    assert t.read_into(k(1), buf())
+    assert t.stats()["o_direct"] == 0
+
+
+def test_survives_restart(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    for i in range(10):
+        t.write(k(i), rec(k(i), i))
+    t2 = tier(storage_dir)
+    assert t2.scanned == 10
+    assert all(t2.contains(k(i)) for i in range(10))
+    assert t2.read_into(k(7), buf())
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "zero_length", "oversize",
+                                    "other_layout", "other_key"])
+def test_damaged_file_is_a_counted_miss_and_removed(storage_dir: str, damage: str) -> None:
+    t = tier(storage_dir)
+    t.write(k(1), rec(k(1), 9))
+    path = t.path(k(1))
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    if damage == "flip_payload":
+        data[-100] ^= 0x10
+    elif damage == "flip_header":
+        data[40] ^= 0x01
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "zero_length":
+        data = bytearray()
+    elif damage == "oversize":
+        data += b"extra"
+    elif damage == "other_layout":
+        data = bytearray(rec(k(1), 9, ns=b"o" * 16))
+    elif damage == "other_key":
+        data = bytearray(rec(k(2), 9))
+    with open(path, "wb") as f:
+        f.write(data)
+    b = buf()
+    assert not t.read_into(k(1), b)
+    s = t.stats()
+    assert s["corrupt"] == 1 and s["misses"] == 1 and s["hits"] == 0
+    assert not os.path.exists(path)  # removed, so a later put rewrites it
+    assert not t.contains(k(1))
+
+
+def test_capacity_evicts_least_recently_used(storage_dir: str) -> None:
+    size = record.record_bytes(PAYLOAD)
+    t = tier(storage_dir, capacity=3 * size)
+    for i in range(3):
+        t.write(k(i), rec(k(i), i))
+    assert t.read_into(k(0), buf())  # k(0) becomes most recently used
+    t.write(k(3), rec(k(3), 3))
+    assert [t.contains(k(i)) for i in range(4)] == [True, False, True, True]
+    assert t.stats()["evictions"] == 1
+    assert not os.path.exists(t.path(k(1)))
+    t.check()
+
+
+def test_restart_with_smaller_capacity_trims_oldest(storage_dir: str) -> None:
+    size = record.record_bytes(PAYLOAD)
+    t = tier(storage_dir)
+    for i in range(5):
+        t.write(k(i), rec(k(i), i))
+        os.utime(t.path(k(i)), (1000 + i, 1000 + i))
+    t2 = tier(storage_dir, capacity=2 * size)
+    assert [os.path.exists(t2.path(k(i))) for i in range(5)] == [False, False, False, True, True]
+
+
+def test_files_written_by_another_process_are_found(storage_dir: str) -> None:
+    a = tier(storage_dir)
+    b = tier(storage_dir)  # started before the write
+    a.write(k(5), rec(k(5), 5))
+    assert b.contains(k(5)) and b.read_into(k(5), buf())
+
+
+def test_file_deleted_behind_our_back_is_a_miss(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    t.write(k(1), rec(k(1), 1))
+    os.unlink(t.path(k(1)))
+    assert not t.read_into(k(1), buf())
+    assert t.stats()["misses"] == 1 and t.stats()["corrupt"] == 0
+
+
+def test_enospc_on_a_real_full_filesystem(small_tmpfs: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that hits ENOSPC skips the chunk and counts an error; nothing half-written stays."""
+    big = 300_000
+    if small_tmpfs is not None:
+        t = StorageTier(small_tmpfs, 1 << 30, big, NS)
+    else:  # no mount permitted: inject the same errno the kernel would give
+        import hpkv.tiers.disk.io as io_mod
+
+        real_write = os.write
+
+        def full(fd: int, data: object) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(io_mod.os, "write", full)
+        t = StorageTier(os.path.join("/tmp", f"enospc-{os.getpid()}"), 1 << 30, big, NS)
+        _ = real_write
+    results = [t.write(k(i), rec(k(i), i, payload=big)) for i in range(5)]
+    assert results[0] or small_tmpfs is None
+    assert not all(results)
+    s = t.stats()
+    assert s["errors"] >= 1 and s["writes_skipped"] >= 1
+    root = t.root
+    leftovers = [n for d, _, names in os.walk(root) for n in names if n.endswith(".tmp")]
+    assert leftovers == []
+    for i, ok in enumerate(results):
+        assert t.contains(k(i)) == ok
+
+
+def test_unreadable_chunk_path_is_a_miss_and_an_error(storage_dir: str) -> None:
+    """An I/O error on read (here EISDIR: a directory where the file should be; root ignores
+    permission bits, so EACCES cannot be produced) is a miss and a counted error, never an exception."""
+    t = tier(storage_dir)
+    t.write(k(1), rec(k(1), 1))
+    os.unlink(t.path(k(1)))
+    os.mkdir(t.path(k(1)))
+    assert not t.read_into(k(1), buf())
+    assert t.stats()["errors"] == 1 and t.stats()["misses"] == 1
+
+
+def test_unwritable_root_is_a_config_error(tmp_path: object) -> None:
+    blocker = os.path.join(str(tmp_path), "file")
+    open(blocker, "w").close()
+    with pytest.raises(HpkvConfigError, match=r"HPKV_KV_STORAGE_PATH=.*not a writable directory.*~/storage"):
+        tier(os.path.join(blocker, "storage"))
