@@ -155,15 +155,24 @@ class KVStore:
             n += 1
         return n
 
-    def get(self, tokens: Tokens) -> torch.Tensor:
+    def get(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of the full chunks of ``tokens``: ``[layers, 2, n, heads, dim]``, bit-exact.
 
         ``n`` covers the verified prefix only: a chunk that is missing or fails
         verification ends the result there (``n`` may be 0). Never unverified bytes.
+        ``out``: a preallocated ``[layers, 2, ≥ full-chunk tokens, heads, dim]`` tensor to fill
+        (an engine's own buffer); the result is a view of it. Bytes of ``out``
+        beyond the returned prefix are unspecified.
         """
         keys = self.keys(tokens)
         L, K, C, H, D = self._chunk_shape
-        out = torch.empty((L, K, len(keys) * C, H, D), dtype=self.layout.dtype)
+        if out is None:
+            out = torch.empty((L, K, len(keys) * C, H, D), dtype=self.layout.dtype)
+        elif out.dtype != self.layout.dtype or out.dim() != 5 or out.shape[2] < len(keys) * C or (
+            tuple(out.shape[:2]) + tuple(out.shape[3:]) != (L, K, H, D)
+        ):
+            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}; expected "
+                             f"{(L, K, len(keys) * C, H, D)} {self.layout.dtype}")
 
         def consume(i: int, payload: torch.Tensor) -> None:
             out[:, :, i * C : (i + 1) * C].copy_(payload.view(self.layout.dtype).view(self._chunk_shape))

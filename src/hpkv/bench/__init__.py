@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print ratios against references measured in the same run."""
