@@ -54,8 +54,10 @@ def random_tokens(n: int, seed: int = 0) -> list[int]:
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact comparison (NaN payloads included), unlike torch.equal."""
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     )
 
 
@@ -67,8 +69,9 @@ def make_store(shm_dir: str, storage_dir: str) -> Iterator[StoreFactory]:
     """Build stores that are closed at the end of the test. Keywords go to HpkvConfig."""
     made: list[KVStore] = []
 
-    def factory(layout: KVLayout = SMALL, model_id: str = "tiny", rank: int = 0, world_size: int = 1,
-                **cfg: Any) -> KVStore:
+    def factory(
+        layout: KVLayout = SMALL, model_id: str = "tiny", rank: int = 0, world_size: int = 1, **cfg: Any
+    ) -> KVStore:
         cfg.setdefault("mem_pool_size", "8M")
         cfg.setdefault("share_mem_file_path", shm_dir)
         cfg.setdefault("storage_path", storage_dir)

@@ -10,8 +10,17 @@ from hpkv.core.units import parse_size
 
 @pytest.mark.parametrize(
     ("text", "expected"),
-    [("16G", 16 << 30), ("512MiB", 512 << 20), ("1.5GB", int(1.5 * (1 << 30))), ("4096", 4096),
-     ("0", 0), ("2k", 2048), ("3 TiB", 3 << 40), ("7b", 7), (1024, 1024)],
+    [
+        ("16G", 16 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5GB", int(1.5 * (1 << 30))),
+        ("4096", 4096),
+        ("0", 0),
+        ("2k", 2048),
+        ("3 TiB", 3 << 40),
+        ("7b", 7),
+        (1024, 1024),
+    ],
 )
 def test_sizes(text: object, expected: int) -> None:
     assert parse_size(text) == expected
@@ -54,8 +63,9 @@ def test_precedence_kwargs_over_env_over_yaml(monkeypatch: pytest.MonkeyPatch, t
 
 def test_lmcache_names(tmp_path: Path) -> None:
     y = tmp_path / "lm.yaml"
-    y.write_text("chunk_size: 256\nlocal_cpu: false\n"
-                 "local_disk: 'file:///tmp/lmc/'\nmax_local_disk_size: 5\n")
+    y.write_text(
+        "chunk_size: 256\nlocal_cpu: false\nlocal_disk: 'file:///tmp/lmc/'\nmax_local_disk_size: 5\n"
+    )
     c = HpkvConfig.from_yaml(str(y))
     assert c.mem_pool_size == 0
     assert c.storage_path == "/tmp/lmc/"

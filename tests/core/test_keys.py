@@ -46,8 +46,14 @@ def test_namespace_separates_model_layout_rank_salt_chunk() -> None:
     toks = list(range(8))
     base = chunk_keys(ns(), toks, 4)
     other_layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float16)
-    for variant in (ns(model_id="m2"), ns(layout=other_layout), ns(rank=1, world_size=2),
-                    ns(world_size=2), ns(salt="tenant"), ns(chunk_size=8)):
+    for variant in (
+        ns(model_id="m2"),
+        ns(layout=other_layout),
+        ns(rank=1, world_size=2),
+        ns(world_size=2),
+        ns(salt="tenant"),
+        ns(chunk_size=8),
+    ):
         assert not set(chunk_keys(variant, toks, 4)) & set(base)
 
 
@@ -59,13 +65,19 @@ def test_keys_are_stable_across_fresh_processes() -> None:
         "print(','.join(k.hex() for k in chunk_keys(n, list(range(100)), 4)))"
     )
     outs = {
-        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                       env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}).stdout.strip()
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"},
+        ).stdout.strip()
         for seed in ("1", "2")
     }
     assert len(outs) == 1
-    expected = ",".join(k.hex() for k in chunk_keys(Namespace("m", LAYOUT, 4, 1, 2, "s").digest,
-                                                     list(range(100)), 4))
+    expected = ",".join(
+        k.hex() for k in chunk_keys(Namespace("m", LAYOUT, 4, 1, 2, "s").digest, list(range(100)), 4)
+    )
     assert outs == {expected}
 
 

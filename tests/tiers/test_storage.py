@@ -63,8 +63,10 @@ def test_survives_restart(storage_dir: str) -> None:
     assert t2.read_into(k(7), buf())
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "truncate", "zero_length", "oversize",
-                                    "other_layout", "other_key"])
+@pytest.mark.parametrize(
+    "damage",
+    ["flip_payload", "flip_header", "truncate", "zero_length", "oversize", "other_layout", "other_key"],
+)
 def test_damaged_file_is_a_counted_miss_and_removed(storage_dir: str, damage: str) -> None:
     t = tier(storage_dir)
     t.write(k(1), rec(k(1), 9))

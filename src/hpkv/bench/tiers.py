@@ -70,14 +70,21 @@ def raw_parallel_read(paths: list[str], threads: int, direct: bool, size: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hpkv bench tiers", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="hpkv bench tiers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--chunks", type=int, default=64, help="chunks per prompt (default 64 = 256 MiB)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--threads", type=int, default=4, help="storage I/O threads (ours and the raw reference)")
-    ap.add_argument("--storage-dir", default=None, help="directory for the storage tier (default: a temp dir)")
-    ap.add_argument("--scan-files", type=int, default=0,
-                    help="also time the start-up index scan over this many chunk files (e.g. 100000)")
+    ap.add_argument(
+        "--storage-dir", default=None, help="directory for the storage tier (default: a temp dir)"
+    )
+    ap.add_argument(
+        "--scan-files",
+        type=int,
+        default=0,
+        help="also time the start-up index scan over this many chunk files (e.g. 100000)",
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)  # compare single-threaded copies with single-threaded memcpy
@@ -86,18 +93,25 @@ def main(argv: list[str] | None = None) -> int:
     payload = LAYOUT.chunk_bytes(chunk)
     total = payload * n
     toks = torch.randint(0, 150_000, (n * chunk,), generator=torch.Generator().manual_seed(1)).tolist()
-    kv = torch.randint(0, 256, (total,), dtype=torch.uint8).view(torch.bfloat16).view(
-        LAYOUT.num_layers, 2, n * chunk, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    kv = (
+        torch.randint(0, 256, (total,), dtype=torch.uint8)
+        .view(torch.bfloat16)
+        .view(LAYOUT.num_layers, 2, n * chunk, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+    )
     gb = total / 1e9
     rows: list[tuple[str, float, float, str]] = []
-    print(f"hpkv bench tiers: {n} chunks × {format_size(payload)} = {format_size(total)}, "
-          f"repeat {args.repeat}, {os.cpu_count()} CPUs, torch threads 1, storage threads {args.threads}")
+    print(
+        f"hpkv bench tiers: {n} chunks × {format_size(payload)} = {format_size(total)}, "
+        f"repeat {args.repeat}, {os.cpu_count()} CPUs, torch threads 1, storage threads {args.threads}"
+    )
 
     shm = tempfile.mkdtemp(prefix="hpkv-bench-", dir="/dev/shm")
     st_root = args.storage_dir or tempfile.mkdtemp(prefix="hpkv-bench-st-", dir=os.path.expanduser("~"))
     try:
         # --- memory ---------------------------------------------------------
-        cfg = HpkvConfig(mem_pool_size=int(total * 1.1) + (64 << 20), share_mem_file_path=shm, chunk_size=chunk)
+        cfg = HpkvConfig(
+            mem_pool_size=int(total * 1.1) + (64 << 20), share_mem_file_path=shm, chunk_size=chunk
+        )
         with KVStore(cfg, LAYOUT) as s:
             src = torch.empty(total, dtype=torch.uint8)
             dst = torch.empty(total, dtype=torch.uint8)
@@ -124,10 +138,17 @@ def main(argv: list[str] | None = None) -> int:
             assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8)), "memory get returned wrong bytes"
             t_look = median_time(lambda: s.lookup(toks), max(args.repeat, 20))
         rows.append(("memcpy (reference, 1 thread)", gb / t_memcpy, 1.0, ""))
-        rows.append(("memory get into a preallocated tensor", gb / t_get, t_memcpy / t_get,
-                     "target ≥ 0.80× memcpy"))
-        rows.append(("memory get into a new tensor", gb / t_get_fresh, t_memcpy / t_get_fresh,
-                     "pays first-touch page faults"))
+        rows.append(
+            ("memory get into a preallocated tensor", gb / t_get, t_memcpy / t_get, "target ≥ 0.80× memcpy")
+        )
+        rows.append(
+            (
+                "memory get into a new tensor",
+                gb / t_get_fresh,
+                t_memcpy / t_get_fresh,
+                "pays first-touch page faults",
+            )
+        )
         rows.append(("memory put (copy + xxh3)", gb / t_put, t_memcpy / t_put, ""))
 
         # --- storage --------------------------------------------------------
@@ -137,8 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         t_write = 0.0
         direct = False
         for label, o_direct in (("device", True), ("page cache", False)):
-            cfg = HpkvConfig(mem_pool_size=0, share_mem_file_path=shm, storage_path=st_root,
-                             chunk_size=chunk, storage_io_threads=args.threads, storage_o_direct=o_direct)
+            cfg = HpkvConfig(
+                mem_pool_size=0,
+                share_mem_file_path=shm,
+                storage_path=st_root,
+                chunk_size=chunk,
+                storage_io_threads=args.threads,
+                storage_o_direct=o_direct,
+            )
             with KVStore(cfg, LAYOUT) as s:
                 if label == "device":
                     s.clear()
@@ -155,13 +182,16 @@ def main(argv: list[str] | None = None) -> int:
                 prealloc.fill_(0)
                 cold = label == "device"
 
-                def raw(cold: bool = cold, paths: list[str] = paths, size: int = size) -> None:
+                def raw(
+                    cold: bool = cold, paths: list[str] = paths, size: int = size, o_direct: bool = o_direct
+                ) -> None:
                     if cold:
                         drop_cache(paths)
-                    raw_parallel_read(paths, args.threads, direct and cold, size)
+                    raw_parallel_read(paths, args.threads, o_direct and cold, size)
 
-                def ours(cold: bool = cold, s: KVStore = s, out: torch.Tensor = prealloc,
-                         paths: list[str] = paths) -> None:
+                def ours(
+                    cold: bool = cold, s: KVStore = s, out: torch.Tensor = prealloc, paths: list[str] = paths
+                ) -> None:
                     if cold:
                         drop_cache(paths)
                     s.get(toks, out=out)
@@ -175,8 +205,14 @@ def main(argv: list[str] | None = None) -> int:
             raw_t, ours_t = res[f"raw {label}"], res[f"ours {label}"]
             mode = "O_DIRECT" if direct and label == "device" else "buffered"
             rows.append((f"raw parallel read, {label} (reference)", gb / raw_t, 1.0, mode))
-            rows.append((f"storage get, {label} (read + verify + copy)", gb / ours_t, raw_t / ours_t,
-                         f"{mode}; target ≥ 0.80× raw"))
+            rows.append(
+                (
+                    f"storage get, {label} (read + verify + copy)",
+                    gb / ours_t,
+                    raw_t / ours_t,
+                    f"{mode}; target ≥ 0.80× raw",
+                )
+            )
         rows.append(("storage put (write-behind, until flushed)", gb / t_write, 0.0, ""))
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -207,7 +243,10 @@ def scan_startup(count: int) -> None:
         t0 = time.perf_counter()
         t2 = StorageTier(root, 1 << 50, 16, b"n" * 16)
         dt = time.perf_counter() - t0
-        print(f"start-up scan of {t2.scanned} chunk files: {dt:.2f} s ({dt / max(count, 1) * 1e6:.1f} µs per file)")
+        print(
+            f"start-up scan of {t2.scanned} chunk files: {dt:.2f} s "
+            f"({dt / max(count, 1) * 1e6:.1f} µs per file)"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -44,8 +44,14 @@ class KVStore:
     the namespace: stores that differ in any of them never share a chunk.
     """
 
-    def __init__(self, config: HpkvConfig, layout: KVLayout, model_id: str = "default",
-                 rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        config: HpkvConfig,
+        layout: KVLayout,
+        model_id: str = "default",
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         if not (0 <= rank < world_size):
             raise HpkvConfigError(f"rank={rank} must be in [0, world_size={world_size}); use e.g. rank=0")
         self.config = config
@@ -69,14 +75,23 @@ class KVStore:
                         f"use e.g. {config.example('mem_pool_size')}, or 0 to disable the memory tier"
                     )
                 path = pool_file_path(config.share_mem_file_path, self._ns.hex()[:8])
-                pool = ShmPool(path, config.mem_pool_size, where=config.where("mem_pool_size"),
-                               path_where=config.where("share_mem_file_path"))
+                pool = ShmPool(
+                    path,
+                    config.mem_pool_size,
+                    where=config.where("mem_pool_size"),
+                    path_where=config.where("share_mem_file_path"),
+                )
                 self.memory = MemoryTier(pool, self.payload_bytes, self._ns)
             root = config.resolved_storage_path
             if root is not None:
-                self.storage = StorageTier(root, config.storage_size, self.payload_bytes, self._ns,
-                                           o_direct=config.storage_o_direct,
-                                           where=config.where("storage_path"))
+                self.storage = StorageTier(
+                    root,
+                    config.storage_size,
+                    self.payload_bytes,
+                    self._ns,
+                    o_direct=config.storage_o_direct,
+                    where=config.where("storage_path"),
+                )
         except BaseException:
             if self.memory is not None:
                 self.memory.close()
@@ -168,11 +183,16 @@ class KVStore:
         L, K, C, H, D = self._chunk_shape
         if out is None:
             out = torch.empty((L, K, len(keys) * C, H, D), dtype=self.layout.dtype)
-        elif out.dtype != self.layout.dtype or out.dim() != 5 or out.shape[2] < len(keys) * C or (
-            tuple(out.shape[:2]) + tuple(out.shape[3:]) != (L, K, H, D)
+        elif (
+            out.dtype != self.layout.dtype
+            or out.dim() != 5
+            or out.shape[2] < len(keys) * C
+            or (tuple(out.shape[:2]) + tuple(out.shape[3:]) != (L, K, H, D))
         ):
-            raise ValueError(f"out has shape {tuple(out.shape)} {out.dtype}; expected "
-                             f"{(L, K, len(keys) * C, H, D)} {self.layout.dtype}")
+            raise ValueError(
+                f"out has shape {tuple(out.shape)} {out.dtype}; expected "
+                f"{(L, K, len(keys) * C, H, D)} {self.layout.dtype}"
+            )
 
         def consume(i: int, payload: torch.Tensor) -> None:
             out[:, :, i * C : (i + 1) * C].copy_(payload.view(self.layout.dtype).view(self._chunk_shape))

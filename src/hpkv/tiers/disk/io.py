@@ -14,8 +14,17 @@ import os
 import threading
 
 # Errors that mean "this chunk could not be written/read", not "hpkv is broken".
-SOFT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EACCES, errno.EPERM, errno.EROFS, errno.EDQUOT,
-               errno.ENOENT, errno.ESTALE, errno.EINVAL}
+SOFT_ERRNOS = {
+    errno.ENOSPC,
+    errno.EIO,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.EDQUOT,
+    errno.ENOENT,
+    errno.ESTALE,
+    errno.EINVAL,
+}
 
 
 def write_atomic(path: str, data: memoryview) -> None:

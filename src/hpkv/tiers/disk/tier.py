@@ -37,8 +37,16 @@ _LOG_EVERY_S = 30.0
 class StorageTier:
     name = NAME
 
-    def __init__(self, root: str, capacity: int, payload_bytes: int, namespace: bytes, *,
-                 o_direct: bool = True, where: str = "HPKV_KV_STORAGE_PATH") -> None:
+    def __init__(
+        self,
+        root: str,
+        capacity: int,
+        payload_bytes: int,
+        namespace: bytes,
+        *,
+        o_direct: bool = True,
+        where: str = "HPKV_KV_STORAGE_PATH",
+    ) -> None:
         self.root = os.path.join(root, FORMAT_DIR)
         self.payload_bytes = payload_bytes
         self.record_bytes = record.record_bytes(payload_bytes)
@@ -137,8 +145,10 @@ class StorageTier:
         if verdict is not record.Verdict.OK:
             self._stats.add("corrupt")
             self._stats.add("misses")
-            self._rate_limited_log(f"hpkv: storage chunk {path} failed verification ({verdict.value}); "
-                                   "treated as a miss and removed")
+            self._rate_limited_log(
+                f"hpkv: storage chunk {path} failed verification ({verdict.value}); "
+                "treated as a miss and removed"
+            )
             self._remove_bad(key, path, ino)
             return False
         with self._lock:
@@ -209,8 +219,9 @@ class StorageTier:
     def stats(self) -> dict[str, int]:
         with self._lock:
             used, count, cap = self._index.used, len(self._index), self._index.capacity
-        return self._stats.snapshot(used_bytes=used, capacity_bytes=cap, chunks=count,
-                                    o_direct=int(self._reader.direct))
+        return self._stats.snapshot(
+            used_bytes=used, capacity_bytes=cap, chunks=count, o_direct=int(self._reader.direct)
+        )
 
     def count(self, name: str, n: int = 1) -> None:
         """Bump a counter from outside (the cascade counts writes it had to drop)."""

@@ -116,8 +116,14 @@ class ShmPool:
     slices of it (no copies). ``close()`` unmaps and removes the file.
     """
 
-    def __init__(self, path: str, size: int, *, where: str = "HPKV_KV_MEM_POOL_SIZE",
-                 path_where: str = "HPKV_SHARE_MEM_FILE_PATH") -> None:
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        *,
+        where: str = "HPKV_KV_MEM_POOL_SIZE",
+        path_where: str = "HPKV_SHARE_MEM_FILE_PATH",
+    ) -> None:
         self.path = path
         self.size = size
         directory = os.path.dirname(path)

@@ -65,8 +65,9 @@ class MemoryTier:
                 self._stats.add("misses")
             return None
         ref = self._ref(slot, key)
-        verdict = record.verify(ref.record, self.record_bytes, self.namespace, key, self.payload_bytes,
-                                check_payload=False)
+        verdict = record.verify(
+            ref.record, self.record_bytes, self.namespace, key, self.payload_bytes, check_payload=False
+        )
         if verdict is not record.Verdict.OK:
             self._stats.add("corrupt")
             self._stats.add("misses")
