@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hpkv import KVLayout
-from hpkv.core.keys import Namespace, chunk_keys
+from hpkv.core.keys import Namespace, chunk_keys, record_key
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
 
@@ -101,3 +101,14 @@ def test_any_token_change_changes_its_chunk_key(toks: list[int], pos: int, delta
     first_changed = pos // 4
     assert a[:first_changed] == b[:first_changed]
     assert all(x != y for x, y in zip(a[first_changed:], b[first_changed:], strict=True))
+
+
+def test_logical_keys_are_shared_by_ranks_record_keys_are_not() -> None:
+    toks = list(range(8))
+    r0 = Namespace("m", LAYOUT, 4, 0, 2)
+    r1 = r0.for_rank(1)
+    assert r0.logical_digest == r1.logical_digest and r0.digest != r1.digest
+    logical = chunk_keys(r0.logical_digest, toks, 4)
+    k0 = [record_key(r0.digest, lk) for lk in logical]
+    k1 = [record_key(r1.digest, lk) for lk in logical]
+    assert not set(k0) & set(k1) and not set(k0) & set(logical)

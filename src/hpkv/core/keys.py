@@ -1,10 +1,17 @@
 """Chunk keys: a rolling 128-bit prefix hash under a namespace.
 
-``key[i] = xxh3_128(key[i-1] || tokens of chunk i as little-endian int64)``
-with ``key[-1]`` = the namespace digest. The namespace fingerprints the model,
-KV layout, chunk size, TP rank/size and an optional salt, so two models or TP
-layouts never read each other's chunks. Everything is a pure function of its
-inputs: no ``hash()``, no per-process seed, the same on every machine.
+Two levels, so that one catalog can speak for every tensor-parallel rank:
+
+* the **logical key** of chunk i, the same for all ranks:
+  ``lk[i] = xxh3_128(lk[i-1] || tokens of chunk i as little-endian int64)``,
+  ``lk[-1]`` = digest of the namespace without the rank;
+* the **record key** of rank r, under which that rank's shard is stored:
+  ``xxh3_128(rank namespace digest || lk[i])``.
+
+The namespace fingerprints the model, KV layout, chunk size, TP size, rank and
+an optional salt, so two models or TP layouts never read each other's chunks.
+Everything is a pure function of its inputs: no ``hash()``, no per-process
+seed, the same on every machine.
 """
 
 from __future__ import annotations
@@ -36,16 +43,25 @@ class Namespace:
     world_size: int = 1
     salt: str = ""
 
-    def text(self) -> str:
+    def text(self, with_rank: bool = True) -> str:
+        rank = f"|rank={self.rank}" if with_rank else ""
         return (
             f"{NAMESPACE_VERSION}|model={self.model_id}|{self.layout.describe()}|chunk={self.chunk_size}"
-            f"|rank={self.rank}/{self.world_size}|salt={self.salt}"
+            f"|tp={self.world_size}{rank}|salt={self.salt}"
         )
 
     @property
     def digest(self) -> bytes:
-        """16 bytes; also written into every record header as its layout fingerprint."""
+        """This rank's 16 bytes; also written into every record header as its layout fingerprint."""
         return xxhash.xxh3_128_digest(self.text().encode("utf-8"))
+
+    @property
+    def logical_digest(self) -> bytes:
+        """The seed of the logical keys: the same for every rank of one model and layout."""
+        return xxhash.xxh3_128_digest(self.text(with_rank=False).encode("utf-8"))
+
+    def for_rank(self, rank: int) -> Namespace:
+        return Namespace(self.model_id, self.layout, self.chunk_size, rank, self.world_size, self.salt)
 
 
 def tokens_to_array(tokens: Tokens) -> np.ndarray:
@@ -87,3 +103,8 @@ def chunk_keys(
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def record_key(rank_digest: bytes, logical_key: bytes) -> bytes:
+    """The key under which one rank stores its shard of the chunk ``logical_key``."""
+    return xxhash.xxh3_128_digest(rank_digest + logical_key)

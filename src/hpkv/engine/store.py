@@ -23,7 +23,7 @@ import torch
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
-from hpkv.core.keys import Namespace, Tokens, chunk_keys, tokens_to_array
+from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key, tokens_to_array
 from hpkv.core.layout import KVLayout
 from hpkv.core.units import format_size
 from hpkv.engine.cascade import Cascade, WriteTarget
@@ -105,8 +105,9 @@ class KVStore:
     # -- keys and lookups ------------------------------------------------------
 
     def keys(self, tokens: Tokens, limit: int | None = None) -> list[bytes]:
-        """Keys of the full chunks of ``tokens``."""
-        return chunk_keys(self._ns, tokens, self.chunk_size, limit)
+        """This rank's record keys of the full chunks of ``tokens``."""
+        logical = chunk_keys(self.namespace.logical_digest, tokens, self.chunk_size, limit)
+        return [record_key(self._ns, lk) for lk in logical]
 
     def tier_names(self) -> list[str]:
         return [t.name for t in self._tiers()]

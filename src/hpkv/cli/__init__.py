@@ -1,0 +1,1 @@
+"""The ``hpkv`` command line."""

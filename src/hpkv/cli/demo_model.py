@@ -1,0 +1,104 @@
+"""``hpkv demo-model DIR``: a random-weight Qwen2 model and a tokenizer, built offline.
+
+Random weights give real KV shapes and real prefill compute, which is all a KV
+cache benchmark needs; nothing is downloaded. The tokenizer is byte-level BPE
+(the kind Qwen2 uses), with every vocabulary word and every capital letter a
+single token in both its first-word and space-prefixed forms, so the seed's
+prompt ``"A A ... A"`` (8192 letters) is exactly 8192 tokens and a prompt of
+N random vocabulary words is exactly N tokens. ``tokenizer_class`` is the
+generic fast tokenizer: transformers 5 rebuilds a ``Qwen2Tokenizer`` with its
+own split rules, which would silently change these counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass
+
+SIZES = {
+    # 4 layers × 2 KV heads × 64 × bf16: 4 KiB of KV per token; fast enough for tests on 2 cores.
+    "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2},
+    # 12 layers × 2 KV heads × 64 × bf16: 48 MiB of KV per 8192-token prompt.
+    "small": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12,
+              "num_attention_heads": 8, "num_key_value_heads": 2},
+}
+NUM_WORDS = 3000
+MAX_POSITIONS = 32768
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    path: str
+    words: tuple[str, ...]
+
+
+def vocabulary_words(n: int = NUM_WORDS, seed: int = 7) -> list[str]:
+    """Distinct lower-case pseudo-words (3–8 letters), the same on every machine."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    out: set[str] = set()
+    while len(out) < n:
+        out.add("".join(rng.choice(letters) for _ in range(rng.randint(3, 8))))
+    return sorted(out)
+
+
+def build_tokenizer(words: list[str]) -> object:
+    """A byte-level BPE tokenizer in which each word and each capital letter is one token.
+
+    The merges are learned by the tokenizers library's own BPE trainer from a
+    corpus of the vocabulary, so applying them in rank order always rebuilds
+    each whole word (hand-written merges can conflict across words).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    pieces = [*words, *(chr(c) for c in range(ord("A"), ord("Z") + 1))]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1_000_000,  # never the limit: training stops when every word is whole
+        min_frequency=1,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [f"{w} {w}" for w in pieces]  # both forms: first word, and after a space
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def write_demo_model(path: str, size: str = "tiny", seed: int = 0) -> DemoModel:
+    """Write config, random bf16 weights (safetensors) and tokenizer files to ``path``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if size not in SIZES:
+        raise ValueError(f"--size {size!r} is not one of {', '.join(SIZES)}")
+    os.makedirs(path, exist_ok=True)
+    words = vocabulary_words()
+    tok = build_tokenizer(words)
+    tok.save(os.path.join(path, "tokenizer.json"))  # type: ignore[attr-defined]
+    vocab_size = tok.get_vocab_size()  # type: ignore[attr-defined]
+    padded_vocab = -(-vocab_size // 64) * 64
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                   "pad_token": "<|endoftext|>", "model_max_length": MAX_POSITIONS,
+                   "clean_up_tokenization_spaces": False}, f, indent=1)
+    cfg = Qwen2Config(vocab_size=padded_vocab, max_position_embeddings=MAX_POSITIONS,
+                      max_window_layers=SIZES[size]["num_hidden_layers"], tie_word_embeddings=True,
+                      rope_theta=1_000_000.0, eos_token_id=0, bos_token_id=0, torch_dtype="bfloat16",
+                      **SIZES[size])
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path, safe_serialization=True)
+    with open(os.path.join(path, "hpkv-words.txt"), "w") as f:
+        f.write("\n".join(words) + "\n")
+    return DemoModel(path, tuple(words))
+
+
+def load_words(path: str) -> list[str]:
+    with open(os.path.join(path, "hpkv-words.txt")) as f:
+        return [w for w in f.read().split() if w]
