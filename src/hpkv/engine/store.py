@@ -311,8 +311,8 @@ class KVStore:
         except BaseException:
             self.memory.abort(ref)
             raise
-        self.memory.commit(ref, keep_pin=cascade)
-        if cascade:
+        committed = self.memory.commit(ref, keep_pin=cascade)
+        if cascade and committed:
             assert self._cascade is not None
             self._cascade.submit(ref.key, ref)  # the cascade releases the pin
         return True

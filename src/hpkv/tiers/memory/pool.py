@@ -181,18 +181,45 @@ class ShmPool:
         self.view = memoryview(self._mm)
         self._closed = False
 
+    @classmethod
+    def attach(cls, path: str, size: int) -> ShmPool:
+        """Map a pool file another process created (vLLM workers map the scheduler's pools).
+
+        The creator owns the file: ``close()`` here only unmaps.
+        """
+        self = cls.__new__(cls)
+        self.path, self.size = path, size
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            if os.fstat(fd).st_size < size:
+                raise HpkvConfigError(f"memory pool file {path} is smaller than {size} bytes")
+            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._fd = -1
+        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.view = memoryview(self._mm)
+        self._closed = False
+        self._owner = False
+        return self
+
+    _owner = True
+
     def close(self) -> None:
-        """Unmap and remove the file. Views still held elsewhere keep the memory alive until dropped."""
+        """Unmap (and, if this process created it, remove) the file.
+        Views still held elsewhere keep the memory alive until dropped."""
         if self._closed:
             return
         self._closed = True
-        _unlink_quietly(self.path)
+        if self._owner:
+            _unlink_quietly(self.path)
         self.view.release()
         del self.tensor
         # Someone may still hold a tensor view; the mapping then goes when it does.
         with contextlib.suppress(BufferError):
             self._mm.close()
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
 
 
 def _unlink_quietly(path: str) -> None:

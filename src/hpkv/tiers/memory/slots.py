@@ -66,15 +66,19 @@ class SlotIndex:
                 return slot, key
         return None
 
-    def commit(self, slot: int, key: bytes, *, keep_pin: bool = False) -> None:
-        """Make a reserved slot visible under ``key`` as most recently used."""
-        old = self._lru.get(key)
-        if old is not None:  # a concurrent writer won; keep theirs, free ours
+    def commit(self, slot: int, key: bytes, *, keep_pin: bool = False) -> bool:
+        """Make a reserved slot visible under ``key`` as most recently used.
+
+        False if ``key`` was committed meanwhile by another writer: theirs is
+        kept, ours is freed (and not left pinned, whatever ``keep_pin`` says).
+        """
+        if key in self._lru:
             self.abort(slot)
-            return
+            return False
         self._lru[key] = slot
         if not keep_pin:
             self.unpin(slot)
+        return True
 
     def abort(self, slot: int) -> None:
         """Give back a reserved slot that was never committed."""

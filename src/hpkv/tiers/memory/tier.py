@@ -103,16 +103,19 @@ class MemoryTier:
             return None
         return self._ref(got[0], key)
 
-    def commit(self, ref: SlotRef, *, sealed: bool = False, keep_pin: bool = False) -> None:
+    def commit(self, ref: SlotRef, *, sealed: bool = False, keep_pin: bool = False) -> bool:
         """Make the record visible. ``sealed``: the header is already written and verified
         (a promotion from a slower tier); otherwise checksum the payload and write it now.
-        ``keep_pin``: return with the slot still pinned (release it later)."""
+        ``keep_pin``: return with the slot still pinned (release it later). False if another
+        thread committed the same key first (this slot is then freed and not pinned)."""
         if not sealed:
             record.seal(ref.record, self.namespace, ref.key, self.payload_bytes)
         with self._lock:
-            self._index.commit(ref.slot, ref.key, keep_pin=keep_pin)
+            if not self._index.commit(ref.slot, ref.key, keep_pin=keep_pin):
+                return False
         self._stats.add("writes")
         self._stats.add("bytes_written", self.payload_bytes)
+        return True
 
     def abort(self, ref: SlotRef) -> None:
         with self._lock:

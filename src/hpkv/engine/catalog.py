@@ -1,0 +1,321 @@
+"""The catalog: what is cached where, for every tensor-parallel rank of one engine.
+
+Runs in the process that decides (vLLM's scheduler). It owns one slot index
+for all ranks (slot s holds chunk k in every rank's pool file, each rank's own
+shard under its own record key), the pool files themselves, and the storage
+tier of each rank. Workers only copy between pool slots and the engine's KV.
+
+All slow tier I/O runs here on background threads:
+
+* **promote** (storage -> memory): before a storage hit is reported to the
+  engine, its chunks are read into reserved slots and verified on every rank;
+  a chunk that fails on any rank is simply not promoted, so a failure becomes
+  a shorter hit, never bad data handed to a worker;
+* **cascade** (memory -> storage): a newly stored chunk is written from its
+  slot to each rank's storage through a bounded queue; when the queue is full
+  the write is dropped and counted, never blocking the scheduler.
+
+Thread-safety: public methods may be called from any thread; the slot index
+is guarded by one lock and no method holds it across I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from hpkv.core import record
+from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
+from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
+from hpkv.core.stats import TierStats
+from hpkv.core.units import format_size
+from hpkv.tiers.disk import StorageTier
+from hpkv.tiers.memory.pool import PAGE, ShmPool, pool_file_path
+from hpkv.tiers.memory.slots import SlotIndex
+
+log = logging.getLogger(__name__)
+
+MEMORY = "memory"
+STORAGE = "storage"
+
+
+class Catalog:
+    def __init__(self, config: HpkvConfig, namespace: Namespace) -> None:
+        self.config = config
+        self.chunk_size = config.chunk_size
+        self.world_size = namespace.world_size
+        self.namespaces = [namespace.for_rank(r) for r in range(self.world_size)]
+        self.rank_digests = [n.digest for n in self.namespaces]
+        self.logical_digest = namespace.logical_digest
+        self.payload_bytes = namespace.layout.chunk_bytes(self.chunk_size)
+        self.record_bytes = record.record_bytes(self.payload_bytes)
+        self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
+        self._lock = threading.Lock()
+        self._mem_stats = TierStats()
+        self.pools: list[ShmPool] = []
+        self.storage: list[StorageTier] = []
+        num_slots = 0
+        try:
+            if config.mem_pool_size > 0:
+                if config.mem_pool_size < self.slot_bytes:
+                    raise HpkvConfigError(
+                        f"{config.where('mem_pool_size')}={config.mem_pool_size} bytes holds no chunk "
+                        f"(one chunk of {self.chunk_size} tokens is {format_size(self.slot_bytes)} per rank); "
+                        f"use e.g. {config.example('mem_pool_size')}, or 0 to disable the memory tier"
+                    )
+                tag = self.logical_digest.hex()[:6]
+                for r in range(self.world_size):
+                    path = pool_file_path(config.share_mem_file_path, f"{tag}r{r}")
+                    self.pools.append(
+                        ShmPool(path, config.mem_pool_size, where=config.where("mem_pool_size"),
+                                path_where=config.where("share_mem_file_path"))
+                    )
+                num_slots = config.mem_pool_size // self.slot_bytes
+            root = config.resolved_storage_path
+            if root is not None:
+                for r in range(self.world_size):
+                    self.storage.append(
+                        StorageTier(root, config.storage_size, self.payload_bytes, self.rank_digests[r],
+                                    o_direct=config.storage_o_direct, where=config.where("storage_path"))
+                    )
+        except BaseException:
+            for p in self.pools:
+                p.close()
+            raise
+        self.num_slots = num_slots
+        self._index = SlotIndex(num_slots)
+        self._staging: dict[bytes, Future[bool]] = {}
+        self._io = ThreadPoolExecutor(config.storage_io_threads, thread_name_prefix="hpkv-promote")
+        self._cascade: queue.Queue[tuple[bytes, int] | None] = queue.Queue(
+            maxsize=max(config.cascade_queue_chunks, 1))
+        self._cascade_off = config.cascade_queue_chunks == 0 or not self.storage
+        self._cascade_thread = threading.Thread(target=self._run_cascade, name="hpkv-cascade", daemon=True)
+        self._cascade_thread.start()
+        self._closed = False
+
+    # -- keys ---------------------------------------------------------------------
+
+    def keys(self, tokens: Tokens, limit: int | None = None) -> list[bytes]:
+        """Logical keys of the full chunks of ``tokens``."""
+        return chunk_keys(self.logical_digest, tokens, self.chunk_size, limit)
+
+    def record_key(self, rank: int, lk: bytes) -> bytes:
+        return record_key(self.rank_digests[rank], lk)
+
+    @property
+    def pool_paths(self) -> list[str]:
+        return [p.path for p in self.pools]
+
+    # -- lookups ------------------------------------------------------------------
+
+    def in_memory(self, lk: bytes) -> bool:
+        with self._lock:
+            return lk in self._index
+
+    def in_storage(self, lk: bytes) -> bool:
+        """True if every rank's storage holds its shard of ``lk``."""
+        return bool(self.storage) and all(
+            t.contains(self.record_key(r, lk)) for r, t in enumerate(self.storage))
+
+    def where(self, lk: bytes) -> str | None:
+        if self.in_memory(lk):
+            return MEMORY
+        if self.in_storage(lk):
+            return STORAGE
+        return None
+
+    def locate(self, lks: Iterable[bytes]) -> list[str | None]:
+        """Per key the fastest tier that holds it; None from the first key no tier holds onwards."""
+        out: list[str | None] = []
+        stop = False
+        for lk in lks:
+            w = None if stop else self.where(lk)
+            stop = stop or w is None
+            out.append(w)
+        return out
+
+    # -- promotion (storage -> memory) -------------------------------------------------
+
+    def stage(self, lks: Iterable[bytes]) -> list[Future[bool]]:
+        """Start promoting ``lks`` (those in storage but not memory) into memory; never blocks.
+
+        Returns the futures of the promotions now running for these keys
+        (True: the chunk is in memory now). Without a memory tier nothing can
+        be staged and the list is empty.
+        """
+        futures: list[Future[bool]] = []
+        if not self.pools or not self.storage:
+            return futures
+        for lk in lks:
+            with self._lock:
+                if lk in self._index:
+                    continue
+                fut = self._staging.get(lk)
+                if fut is None:
+                    fut = self._io.submit(self._promote, lk)
+                    self._staging[lk] = fut
+            futures.append(fut)
+        return futures
+
+    def _promote(self, lk: bytes) -> bool:
+        try:
+            with self._lock:
+                got = self._index.reserve()
+                if got is not None and got[1] is not None:
+                    self._mem_stats.add("evictions")
+            if got is None:
+                self._mem_stats.add("writes_skipped")
+                return False
+            slot = got[0]
+            off = slot * self.slot_bytes
+            for r, tier in enumerate(self.storage):
+                if not tier.read_into(self.record_key(r, lk), self.pools[r].view[off : off + self.slot_bytes]):
+                    with self._lock:
+                        self._index.abort(slot)
+                    return False
+            with self._lock:
+                self._index.commit(slot, lk)
+            self._mem_stats.add("promotions")
+            return True
+        except Exception:
+            log.exception("hpkv: promotion failed")
+            return False
+        finally:
+            with self._lock:
+                self._staging.pop(lk, None)
+
+    # -- pins for loads ---------------------------------------------------------------
+
+    def pin(self, lks: Iterable[bytes]) -> list[int]:
+        """Pin the memory slots of the leading ``lks`` that are in memory; stops at the first that is not."""
+        slots: list[int] = []
+        with self._lock:
+            for lk in lks:
+                s = self._index.pin(lk)
+                if s is None:
+                    break
+                slots.append(s)
+        return slots
+
+    def unpin(self, slots: Iterable[int]) -> None:
+        with self._lock:
+            for s in slots:
+                self._index.unpin(s)
+
+    def count_load(self, chunks: int, payload_bytes: int) -> None:
+        self._mem_stats.add("hits", chunks)
+        self._mem_stats.add("bytes_read", payload_bytes)
+
+    def count_miss(self, chunks: int = 1) -> None:
+        self._mem_stats.add("misses", chunks)
+
+    # -- stores (memory, then cascade to storage) ----------------------------------------
+
+    def reserve(self) -> int | None:
+        """A pinned, invisible slot for a new chunk, or None (counted) if every slot is pinned."""
+        with self._lock:
+            got = self._index.reserve()
+            if got is not None and got[1] is not None:
+                self._mem_stats.add("evictions")
+        if got is None:
+            self._mem_stats.add("writes_skipped")
+            return None
+        return got[0]
+
+    def commit(self, lk: bytes, slot: int) -> None:
+        """The workers have filled and sealed ``slot`` for ``lk`` on every rank: make it visible,
+        and queue it for storage unless storage already holds it."""
+        cascade = not self._cascade_off and not self.in_storage(lk)
+        with self._lock:
+            if not self._index.commit(slot, lk, keep_pin=cascade):
+                return
+        self._mem_stats.add("writes")
+        self._mem_stats.add("bytes_written", self.payload_bytes)
+        if cascade:
+            try:
+                self._cascade.put_nowait((lk, slot))
+            except queue.Full:
+                self.unpin([slot])
+                for t in self.storage:
+                    t.count("writes_skipped")
+
+    def abort(self, slot: int) -> None:
+        with self._lock:
+            self._index.abort(slot)
+
+    def _run_cascade(self) -> None:
+        while True:
+            item = self._cascade.get()
+            try:
+                if item is None:
+                    return
+                lk, slot = item
+                off = slot * self.slot_bytes
+                for r, tier in enumerate(self.storage):
+                    try:
+                        tier.write(self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes])
+                    except Exception:
+                        log.exception("hpkv: cascade write failed")
+                        tier.count("errors")
+                self.unpin([slot])
+            finally:
+                self._cascade.task_done()
+
+    def flush(self) -> None:
+        """Wait for every queued cascade write and every running promotion."""
+        self._cascade.join()
+        with self._lock:
+            pending = list(self._staging.values())
+        for f in pending:
+            f.result()
+
+    # -- housekeeping --------------------------------------------------------------
+
+    def clear(self, tiers: tuple[str, ...] = (MEMORY, STORAGE)) -> None:
+        """Forget chunks of the named tiers (pinned slots are freed when their copies finish)."""
+        if MEMORY in tiers:
+            with self._lock:
+                self._index.clear()
+        if STORAGE in tiers:
+            self._cascade.join()
+            for t in self.storage:
+                t.clear()
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        if self.pools:
+            with self._lock:
+                used, pinned = len(self._index), self._index.pinned()
+            out[MEMORY] = self._mem_stats.snapshot(
+                used_bytes=used * self.payload_bytes * self.world_size,
+                capacity_bytes=self.num_slots * self.payload_bytes * self.world_size,
+                chunks=used, pinned_slots=pinned, cascade_pending=self._cascade.qsize(),
+            )
+        if self.storage:
+            per_rank = [t.stats() for t in self.storage]
+            agg = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
+            agg["chunks"] = per_rank[0]["chunks"]
+            agg["o_direct"] = per_rank[0]["o_direct"]
+            out[STORAGE] = agg
+        return out
+
+    def check(self) -> None:
+        with self._lock:
+            self._index.check()
+        for t in self.storage:
+            t.check()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._cascade.join()
+        self._cascade.put(None)
+        self._cascade_thread.join(timeout=30)
+        self._io.shutdown(wait=True)
+        for p in self.pools:
+            p.close()

@@ -1,0 +1,1 @@
+"""Engine integrations (vLLM connector, ...). They sit on top of ``hpkv.engine``."""

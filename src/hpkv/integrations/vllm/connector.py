@@ -1,0 +1,196 @@
+"""HpkvConnectorV1: hpkv as a vLLM v1 KV connector.
+
+Enable it with the seed's command line::
+
+    --kv-transfer-config '{"kv_connector":"HpkvConnectorV1","kv_role":"kv_both"}'
+
+(the name is registered by hpkv's vLLM plugin), or without plugins with
+``"kv_connector_module_path":"hpkv.integrations.vllm.connector"``. Settings come
+from ``HPKV_*`` variables, ``HPKV_CONFIG_FILE`` and ``kv_connector_extra_config``
+(highest precedence). Roles: ``kv_both`` loads and stores, ``kv_producer`` only
+stores, ``kv_consumer`` only loads.
+
+The scheduler-side instance owns the catalog and every tier (see
+:mod:`hpkv.integrations.vllm.scheduler`); the worker-side instances copy
+between pool slots and the paged KV (:mod:`hpkv.integrations.vllm.worker`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+
+from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
+from hpkv.core.keys import Namespace
+from hpkv.core.layout import KVLayout
+from hpkv.integrations.vllm.meta import HpkvMeta
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hpkv")
+
+
+def _setup_logging() -> None:
+    """hpkv's lines go to stderr like vLLM's own, at INFO, once per process."""
+    if not log.handlers:
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [hpkv] %(message)s", "%m-%d %H:%M:%S"))
+        log.addHandler(h)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+class HpkvConnectorV1(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        _setup_logging()
+        ktc = self._kv_transfer_config
+        extra = dict(ktc.kv_connector_extra_config or {})
+        self.config = HpkvConfig.load(extra, source="kv_connector_extra_config")
+        self.namespace, self.block_size, self.layer_names = _describe_engine(vllm_config, kv_cache_config,
+                                                                            self.config)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from hpkv.integrations.vllm.scheduler import HpkvScheduler
+
+            # A cache miss must never fail a request: recompute what could not be loaded.
+            if ktc.kv_load_failure_policy != "recompute":
+                ktc.kv_load_failure_policy = "recompute"
+            self._scheduler = HpkvScheduler(self.config, self.namespace, self.block_size,
+                                            load=ktc.is_kv_consumer, store=ktc.is_kv_producer)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            from hpkv.integrations.vllm.worker import HpkvWorker
+
+            rank = get_tensor_model_parallel_rank()
+            self.namespace = self.namespace.for_rank(rank)
+            self._worker = HpkvWorker(self.namespace, self.config.chunk_size, self.block_size,
+                                      _backend_name(vllm_config, self.layer_names))
+
+    # -- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        missing = [n for n in self.layer_names if n not in kv_caches]
+        if missing:
+            raise HpkvConfigError(f"hpkv: KV caches for layers {missing[:3]} were not registered")
+        self._worker.register_kv_caches([kv_caches[n] for n in self.layer_names])
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, HpkvMeta):
+            self._worker.start_load(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        return  # chunks are gathered whole in wait_for_save, after every layer is written
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if self._worker is not None and isinstance(meta, HpkvMeta):
+            self._worker.save(meta)
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_results() if self._worker is not None else None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request)
+        return False, None
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is a later miss
+
+
+def _describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                     config: HpkvConfig) -> tuple[Namespace, int, list[str]]:
+    """Namespace (rank 0), engine block size and layer order, from what vLLM configured."""
+    if kv_cache_config is None:
+        raise HpkvConfigError("hpkv needs vLLM's kv_cache_config (vLLM ≥ 0.11)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise HpkvConfigError(
+            f"hpkv supports models with one KV cache group (full attention); this model has {len(groups)}. "
+            "Run with --disable-hybrid-kv-cache-manager or without hpkv."
+        )
+    spec: Any = groups[0].kv_cache_spec
+    pc = vllm_config.parallel_config
+    if pc.pipeline_parallel_size > 1:
+        raise HpkvConfigError("hpkv does not support pipeline parallelism yet (--pipeline-parallel-size > 1)")
+    mla = bool(getattr(spec, "use_mla", False)) or type(spec).__name__.startswith("MLA")
+    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=int(spec.num_kv_heads),
+                      head_dim=int(spec.head_size), dtype=spec.dtype, num_kv=1 if mla else 2)
+    mc = vllm_config.model_config
+    fingerprint = hashlib.sha256(mc.hf_config.to_json_string().encode()).hexdigest()[:16]
+    model_id = f"{mc.model}@{mc.revision or ''}#{fingerprint}"
+    ns = Namespace(model_id, layout, config.chunk_size, 0, pc.tensor_parallel_size, config.salt)
+    return ns, int(spec.block_size), list(groups[0].layer_names)
+
+
+def _backend_name(vllm_config: VllmConfig, layer_names: list[str]) -> str:
+    try:
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)  # type: ignore[type-abstract]
+        backend = next(iter(layers.values())).get_attn_backend()
+        return str(backend.get_name())
+    except Exception:
+        from vllm.platforms import current_platform
+
+        return "CPU_ATTN" if current_platform.is_cpu() else "FLASH_ATTN"

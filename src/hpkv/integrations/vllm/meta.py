@@ -1,0 +1,65 @@
+"""What the scheduler-side connector tells the workers each step, and what they answer.
+
+Plain dataclasses of ints, bytes and lists: vLLM carries them between its own
+processes; hpkv never reads them back from disk or the network.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class ChunkLoad:
+    slot: int  # pool slot holding the chunk (same slot in every rank's pool)
+    lk: bytes  # logical key; each rank derives its record key from it
+    block_ids: list[int]  # engine blocks holding the chunk's tokens, in order
+    first: int  # first token of the chunk to copy (a multiple of the block size)
+    count: int  # tokens to copy
+
+
+@dataclass
+class LoadRequest:
+    op_id: int
+    req_id: str
+    chunks: list[ChunkLoad]
+    prompt_tokens: int
+    requested_tokens: int
+    tiers: dict[str, int]  # chunks by the tier they came from (before staging into memory)
+
+
+@dataclass
+class StoreChunk:
+    op_id: int
+    slot: int
+    lk: bytes
+    block_ids: list[int]
+
+
+@dataclass
+class HpkvMeta(KVConnectorMetadata):
+    pool_paths: list[str]
+    pool_size: int
+    loads: list[LoadRequest] = field(default_factory=list)
+    stores: list[StoreChunk] = field(default_factory=list)
+
+
+@dataclass
+class HpkvWorkerMeta(KVConnectorWorkerMetadata):
+    """Per op id: (ranks that completed it, ranks that failed it)."""
+
+    results: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, HpkvWorkerMeta):
+            return self
+        merged = dict(self.results)
+        for op, (ok, bad) in other.results.items():
+            a, b = merged.get(op, (0, 0))
+            merged[op] = (a + ok, b + bad)
+        return HpkvWorkerMeta(merged)

@@ -1,0 +1,61 @@
+"""hpkv's counters on vLLM's ``/metrics``.
+
+The counters live in the scheduler process; ``/metrics`` is served by the API
+server process. The plugin installs, in every process, a collector that reads
+the engines' stats files (see :mod:`hpkv.integrations.vllm.statsfile`) when
+Prometheus scrapes, so the numbers are fresh and nothing crosses processes
+but JSON.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+_installed = False
+
+
+def install_collector() -> None:
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    try:
+        from prometheus_client import REGISTRY
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    except ImportError:  # pragma: no cover - prometheus_client is a dependency
+        return
+
+    from hpkv.integrations.vllm.statsfile import read_all
+
+    class HpkvCollector:
+        def collect(self) -> Iterator[Any]:
+            path = os.environ.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv")
+            docs = read_all(path)
+            counters = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "writes",
+                        "writes_skipped", "evictions", "errors", "promotions")
+            gauges = ("used_bytes", "capacity_bytes", "chunks")
+            fams: dict[str, Any] = {}
+            for name in counters:
+                fams[name] = CounterMetricFamily(f"hpkv_tier_{name}", f"hpkv per-tier {name}",
+                                                 labels=["tier", "pid"])
+            for name in gauges:
+                fams[name] = GaugeMetricFamily(f"hpkv_tier_{name}", f"hpkv per-tier {name}",
+                                               labels=["tier", "pid"])
+            conn = CounterMetricFamily("hpkv_connector", "hpkv connector counters", labels=["what", "pid"])
+            for doc in docs:
+                pid = str(doc.get("pid"))
+                for tier, vals in (doc.get("tiers") or {}).items():
+                    for name, fam in fams.items():
+                        if name in vals:
+                            fam.add_metric([tier, pid], float(vals[name]))
+                for what, v in (doc.get("connector") or {}).items():
+                    conn.add_metric([what, pid], float(v))
+            yield from fams.values()
+            yield conn
+
+    try:
+        REGISTRY.register(HpkvCollector())  # type: ignore[arg-type]
+    except ValueError:
+        pass

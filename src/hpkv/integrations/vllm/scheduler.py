@@ -1,0 +1,285 @@
+"""The scheduler side of HpkvConnectorV1: decides what to load and store, owns the catalog.
+
+Runs on vLLM's scheduler thread. Nothing here waits for long: storage hits are
+promoted into memory on background threads and the request is asked about
+again ("ask again later"); stores are filled by the workers during the step
+and made visible when every rank confirms.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hpkv.core.config import HpkvConfig
+from hpkv.core.keys import Namespace
+from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
+from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
+from hpkv.integrations.vllm.statsfile import StatsFile
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hpkv")
+
+# How long one lookup may wait for promotions before answering "ask again later",
+# and how long a request keeps being asked about before it settles for what is in memory.
+STAGE_WAIT_S = 0.005
+STAGE_GIVE_UP_S = 30.0
+
+
+@dataclass
+class _Req:
+    lks: list[bytes]
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    next_store: int = 0
+    lease: list[int] = field(default_factory=list)  # pinned slots of chunks [lease_first, ...)
+    lease_first: int = 0
+    load_start: int = 0
+    load_tokens: int = 0
+    pending_load: bool = False
+    staging: list[Future[bool]] = field(default_factory=list)
+    staging_since: float = 0.0
+    staged: bool = False
+    tiers: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Op:
+    kind: str  # "load" | "store"
+    slots: list[int]
+    lk: bytes = b""
+    remaining: int = 0
+    failed: bool = False
+    tokens: int = 0
+
+
+class HpkvScheduler:
+    def __init__(self, config: HpkvConfig, namespace: Namespace, block_size: int, *,
+                 load: bool, store: bool) -> None:
+        if config.chunk_size % block_size:
+            raise_config(config, "chunk_size",
+                         f"is not a multiple of the engine's --block-size {block_size}",
+                         f"{block_size * max(1, config.chunk_size // block_size)}")
+        self.config = config
+        self.block_size = block_size
+        self.chunk_size = config.chunk_size
+        self.load_enabled = load
+        self.store_enabled = store
+        self.catalog = Catalog(config, namespace)
+        self.world_size = namespace.world_size
+        self._reqs: dict[str, _Req] = {}
+        self._ops: dict[int, _Op] = {}
+        self._next_op = 1
+        self._pending_store: set[bytes] = set()
+        self._counters = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "stored_tokens": 0,
+                          "load_failures": 0, "store_failures": 0}
+        self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
+        self._write_stats(force=True)
+        log.info("hpkv: scheduler ready: tiers %s, chunk %d tokens, %s per chunk per rank, %d rank(s)",
+                 ",".join(self.catalog.stats()) or "none", self.chunk_size,
+                 f"{self.catalog.payload_bytes / 2**20:.2f} MiB", self.world_size)
+
+    # -- lookup ----------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _Req:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            prompt = request.prompt_token_ids or []
+            st = _Req(lks=self.catalog.keys(prompt), prompt_len=len(prompt))
+            self._reqs[request.request_id] = st
+        return st
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        self._release_lease(st)
+        if not self.load_enabled or not st.lks:
+            return 0, False
+        C = self.chunk_size
+        first = num_computed // C
+        lks = st.lks
+        if not st.staged:
+            where = self.catalog.locate(lks[first:])
+            need = [lk for lk, w in zip(lks[first:], where, strict=True) if w == STORAGE]
+            if need:
+                if not st.staging:
+                    st.staging = self.catalog.stage(need)
+                    st.staging_since = time.monotonic()
+                    st.tiers = {MEMORY: where.count(MEMORY), STORAGE: len(need)}
+                _, pending = wait(st.staging, timeout=STAGE_WAIT_S)
+                if pending and time.monotonic() - st.staging_since < STAGE_GIVE_UP_S:
+                    return None, False
+            else:
+                st.tiers = {MEMORY: where.count(MEMORY)}
+            st.staged = True
+            st.staging = []
+        self._counters["lookups"] += 1
+        slots = self.catalog.pin(lks[first:])
+        hit = (first + len(slots)) * C
+        if hit <= num_computed:
+            self.catalog.unpin(slots)
+            return 0, False
+        hit = min(hit, st.prompt_len - 1)  # the engine must compute at least one token
+        needed = -(-hit // C) - first
+        self.catalog.unpin(slots[needed:])
+        st.lease, st.lease_first = slots[:needed], first
+        st.load_start, st.load_tokens = num_computed, hit - num_computed
+        self._counters["lookup_hit_tokens"] += st.load_tokens
+        return st.load_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            return
+        if num_external <= 0:
+            self._release_lease(st)
+            st.pending_load = False
+            return
+        st.load_tokens = min(st.load_tokens, num_external)
+        st.pending_load = True
+
+    # -- per step ---------------------------------------------------------------------
+
+    def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
+        meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
+        for new in so.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is None:
+                prompt = new.prompt_token_ids or []
+                st = _Req(lks=self.catalog.keys(prompt), prompt_len=len(prompt))
+                self._reqs[new.req_id] = st
+            st.block_ids = list(new.block_ids[0])
+            self._plan(meta, new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+        self._write_stats()
+        return meta
+
+    def _plan(self, meta: HpkvMeta, req_id: str, st: _Req, computed_after: int) -> None:
+        C, bs = self.chunk_size, self.block_size
+        per_chunk = C // bs
+        if st.pending_load:
+            st.pending_load = False
+            chunks: list[ChunkLoad] = []
+            end = st.load_start + st.load_tokens
+            for n, slot in enumerate(st.lease):
+                j = st.lease_first + n
+                lo, hi = max(j * C, st.load_start), min((j + 1) * C, end)
+                if hi <= lo:
+                    continue
+                blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
+                chunks.append(ChunkLoad(slot, st.lks[j], blocks, lo - j * C, hi - lo))
+            op = self._new_op(_Op("load", st.lease, remaining=self.world_size, tokens=st.load_tokens))
+            meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.tiers))
+            st.lease = []  # now owned by the op, released when every rank has copied
+            st.next_store = max(st.next_store, end // C)
+        if not self.store_enabled:
+            return
+        limit = min(computed_after, st.prompt_len) // C
+        while st.next_store < limit:
+            j = st.next_store
+            st.next_store += 1
+            lk = st.lks[j]
+            if lk in self._pending_store or self.catalog.in_memory(lk) or self.catalog.in_storage(lk):
+                continue
+            slot = self.catalog.reserve()
+            if slot is None:
+                continue
+            blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
+            op = self._new_op(_Op("store", [slot], lk=lk, remaining=self.world_size, tokens=C))
+            self._pending_store.add(lk)
+            meta.stores.append(StoreChunk(op, slot, lk, blocks))
+
+    def _new_op(self, op: _Op) -> int:
+        op_id = self._next_op
+        self._next_op += 1
+        self._ops[op_id] = op
+        return op_id
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        wm = output.kv_connector_worker_meta
+        if not isinstance(wm, HpkvWorkerMeta):
+            return
+        for op_id, (ok, bad) in wm.results.items():
+            op = self._ops.get(op_id)
+            if op is None:
+                continue
+            op.remaining -= ok + bad
+            op.failed |= bad > 0
+            if op.remaining > 0:
+                continue
+            del self._ops[op_id]
+            if op.kind == "store":
+                self._pending_store.discard(op.lk)
+                if op.failed:
+                    self.catalog.abort(op.slots[0])
+                    self._counters["store_failures"] += 1
+                else:
+                    self.catalog.commit(op.lk, op.slots[0])
+                    self._counters["stored_tokens"] += op.tokens
+            else:
+                self.catalog.unpin(op.slots)
+                if op.failed:
+                    self._counters["load_failures"] += 1
+                else:
+                    self.catalog.count_load(len(op.slots), len(op.slots) * self.catalog.payload_bytes)
+                    self._counters["loaded_tokens"] += op.tokens
+        self._write_stats()
+
+    def request_finished(self, request: Request) -> None:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None:
+            self._release_lease(st)
+        self._write_stats()
+
+    def reset_cache(self) -> bool:
+        """``POST /reset_prefix_cache?reset_external=true``: drop the memory pool's chunks."""
+        self.catalog.clear((MEMORY,))
+        self._write_stats(force=True)
+        log.info("hpkv: memory pool cleared (reset_external)")
+        return True
+
+    def _release_lease(self, st: _Req) -> None:
+        if st.lease:
+            self.catalog.unpin(st.lease)
+            st.lease = []
+
+    # -- observability ---------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return {"tiers": self.catalog.stats(), "connector": dict(self._counters)}
+
+    def _write_stats(self, force: bool = False) -> None:
+        self.stats_file.write(self.stats, force=force)
+
+    def shutdown(self) -> None:
+        self._write_stats(force=True)
+        self.catalog.close()
+        self.stats_file.remove()
+
+
+def raise_config(config: HpkvConfig, name: str, why: str, example: str) -> None:
+    from hpkv.core.errors import HpkvConfigError
+
+    raise HpkvConfigError(f"{config.where(name)}={getattr(config, name)!r} {why}; use e.g. {example}")
+
+
+def pid() -> int:
+    return os.getpid()

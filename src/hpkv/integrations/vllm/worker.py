@@ -1,0 +1,154 @@
+"""The worker side of HpkvConnectorV1: copies between pool slots and the engine's paged KV.
+
+One instance per TP rank, in the worker process. It maps the pool files the
+scheduler created (one per rank), checks each record header before copying
+(right rank, right chunk, right layout), and reports what it did through the
+connector's worker metadata. No tier I/O happens here.
+
+Ordering: loads run in ``start_load_kv`` before the forward pass; stores run
+in ``wait_for_save`` after it, in the same step, so the engine cannot free or
+reuse a block before its store has copied it out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from hpkv.core import record
+from hpkv.core.keys import Namespace, record_key
+from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
+from hpkv.integrations.vllm.paged import PagedKV
+from hpkv.tiers.memory.pool import PAGE, ShmPool
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger("hpkv")
+
+
+class HpkvWorker:
+    def __init__(self, namespace: Namespace, chunk_size: int, block_size: int, backend: str) -> None:
+        self.ns = namespace
+        self.rank = namespace.rank
+        self.rank_digest = namespace.digest
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.backend = backend
+        self.payload_bytes = namespace.layout.chunk_bytes(chunk_size)
+        self.record_bytes = record.record_bytes(self.payload_bytes)
+        self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
+        self.paged: PagedKV | None = None
+        self.pool: ShmPool | None = None
+        self._pool_path = ""
+        self._results: dict[int, tuple[int, int]] = {}
+        self._load_errors: set[int] = set()
+
+    def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
+
+    def _attach(self, meta: HpkvMeta) -> ShmPool | None:
+        if not meta.pool_paths:
+            return None
+        path = meta.pool_paths[self.rank]
+        if self.pool is None or path != self._pool_path:
+            if self.pool is not None:
+                self.pool.close()
+            self.pool = ShmPool.attach(path, meta.pool_size)
+            self._pool_path = path
+        return self.pool
+
+    def _slot(self, pool: ShmPool, slot: int) -> tuple[memoryview, torch.Tensor]:
+        off = slot * self.slot_bytes
+        rec = pool.view[off : off + self.record_bytes]
+        payload = pool.tensor[off + record.HEADER_BYTES : off + record.HEADER_BYTES + self.payload_bytes]
+        return rec, payload
+
+    # -- loads -------------------------------------------------------------------------
+
+    def start_load(self, meta: HpkvMeta) -> None:
+        if not meta.loads:
+            return
+        pool = self._attach(meta)
+        assert self.paged is not None and pool is not None
+        for req in meta.loads:
+            self._load_one(pool, req)
+
+    def _load_one(self, pool: ShmPool, req: LoadRequest) -> None:
+        assert self.paged is not None
+        t0 = time.perf_counter()
+        loaded = 0
+        failed_from: int | None = None
+        for n, ch in enumerate(req.chunks):
+            rec, payload = self._slot(pool, ch.slot)
+            rk = record_key(self.rank_digest, ch.lk)
+            verdict = record.verify(rec, self.record_bytes, self.rank_digest, rk, self.payload_bytes,
+                                    check_payload=False)
+            if verdict is not record.Verdict.OK:
+                failed_from = n
+                log.warning("hpkv: chunk slot %d of request %s failed its header check (%s); "
+                            "the engine recomputes from there", ch.slot, req.req_id, verdict.value)
+                break
+            self.paged.scatter(payload, ch.block_ids, ch.first, ch.count)
+            loaded += ch.count
+        if failed_from is not None:
+            for ch in req.chunks[failed_from:]:
+                first_block = ch.first // self.block_size
+                last_block = -(-(ch.first + ch.count) // self.block_size)
+                self._load_errors.update(ch.block_ids[first_block:last_block])
+        self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
+        dt = time.perf_counter() - t0
+        if self.rank == 0:
+            gb = loaded * self.ns.layout.token_bytes * self.ns.world_size / 1e9
+            tiers = ", ".join(f"{k}: {v} chunks" for k, v in sorted(req.tiers.items()) if v)
+            log.info(
+                "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
+                "cost %.4f ms, throughput: %.4f GB/s (%s)",
+                loaded, req.requested_tokens, req.prompt_tokens, gb, dt * 1e3, gb / dt if dt > 0 else 0.0,
+                tiers or "memory",
+            )
+
+    # -- stores ------------------------------------------------------------------------
+
+    def save(self, meta: HpkvMeta) -> None:
+        if not meta.stores:
+            return
+        pool = self._attach(meta)
+        assert self.paged is not None and pool is not None
+        t0 = time.perf_counter()
+        for st in meta.stores:
+            rec, payload = self._slot(pool, st.slot)
+            try:
+                self.paged.gather(payload, st.block_ids)
+                record.seal(rec, self.rank_digest, record_key(self.rank_digest, st.lk), self.payload_bytes)
+                self._results[st.op_id] = (1, 0)
+            except Exception:
+                log.exception("hpkv: storing a chunk failed")
+                self._results[st.op_id] = (0, 1)
+        if self.rank == 0:
+            dt = time.perf_counter() - t0
+            n = len(meta.stores)
+            gb = n * self.payload_bytes * self.ns.world_size / 1e9
+            log.info("hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms",
+                     n * self.chunk_size, n, gb, dt * 1e3)
+
+    # -- reporting -----------------------------------------------------------------------
+
+    def take_results(self) -> HpkvWorkerMeta | None:
+        if not self._results:
+            return None
+        out = HpkvWorkerMeta(self._results)
+        self._results = {}
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def shutdown(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
