@@ -19,11 +19,21 @@ from dataclasses import dataclass
 
 SIZES = {
     # 4 layers × 2 KV heads × 64 × bf16: 4 KiB of KV per token; fast enough for tests on 2 cores.
-    "tiny": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-             "num_attention_heads": 4, "num_key_value_heads": 2},
+    "tiny": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
     # 12 layers × 2 KV heads × 64 × bf16: 48 MiB of KV per 8192-token prompt.
-    "small": {"hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 12,
-              "num_attention_heads": 8, "num_key_value_heads": 2},
+    "small": {
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+    },
 }
 NUM_WORDS = 3000
 MAX_POSITIONS = 32768
@@ -84,13 +94,28 @@ def write_demo_model(path: str, size: str = "tiny", seed: int = 0) -> DemoModel:
     vocab_size = tok.get_vocab_size()  # type: ignore[attr-defined]
     padded_vocab = -(-vocab_size // 64) * 64
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-                   "pad_token": "<|endoftext|>", "model_max_length": MAX_POSITIONS,
-                   "clean_up_tokenization_spaces": False}, f, indent=1)
-    cfg = Qwen2Config(vocab_size=padded_vocab, max_position_embeddings=MAX_POSITIONS,
-                      max_window_layers=SIZES[size]["num_hidden_layers"], tie_word_embeddings=True,
-                      rope_theta=1_000_000.0, eos_token_id=0, bos_token_id=0, torch_dtype="bfloat16",
-                      **SIZES[size])
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "<|endoftext|>",
+                "pad_token": "<|endoftext|>",
+                "model_max_length": MAX_POSITIONS,
+                "clean_up_tokenization_spaces": False,
+            },
+            f,
+            indent=1,
+        )
+    cfg = Qwen2Config(
+        vocab_size=padded_vocab,
+        max_position_embeddings=MAX_POSITIONS,
+        max_window_layers=SIZES[size]["num_hidden_layers"],
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+        eos_token_id=0,
+        bos_token_id=0,
+        torch_dtype="bfloat16",
+        **SIZES[size],
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)

@@ -14,6 +14,7 @@ COUNTERS = (
     "writes_skipped",  # writes not done: no room, or the cascade queue was full
     "evictions",
     "errors",  # I/O errors (ENOSPC, EIO, EACCES, ...)
+    "promotions",  # chunks copied up into this tier from a slower one
 )
 
 

@@ -71,16 +71,26 @@ class Catalog:
                 for r in range(self.world_size):
                     path = pool_file_path(config.share_mem_file_path, f"{tag}r{r}")
                     self.pools.append(
-                        ShmPool(path, config.mem_pool_size, where=config.where("mem_pool_size"),
-                                path_where=config.where("share_mem_file_path"))
+                        ShmPool(
+                            path,
+                            config.mem_pool_size,
+                            where=config.where("mem_pool_size"),
+                            path_where=config.where("share_mem_file_path"),
+                        )
                     )
                 num_slots = config.mem_pool_size // self.slot_bytes
             root = config.resolved_storage_path
             if root is not None:
                 for r in range(self.world_size):
                     self.storage.append(
-                        StorageTier(root, config.storage_size, self.payload_bytes, self.rank_digests[r],
-                                    o_direct=config.storage_o_direct, where=config.where("storage_path"))
+                        StorageTier(
+                            root,
+                            config.storage_size,
+                            self.payload_bytes,
+                            self.rank_digests[r],
+                            o_direct=config.storage_o_direct,
+                            where=config.where("storage_path"),
+                        )
                     )
         except BaseException:
             for p in self.pools:
@@ -91,7 +101,8 @@ class Catalog:
         self._staging: dict[bytes, Future[bool]] = {}
         self._io = ThreadPoolExecutor(config.storage_io_threads, thread_name_prefix="hpkv-promote")
         self._cascade: queue.Queue[tuple[bytes, int] | None] = queue.Queue(
-            maxsize=max(config.cascade_queue_chunks, 1))
+            maxsize=max(config.cascade_queue_chunks, 1)
+        )
         self._cascade_off = config.cascade_queue_chunks == 0 or not self.storage
         self._cascade_thread = threading.Thread(target=self._run_cascade, name="hpkv-cascade", daemon=True)
         self._cascade_thread.start()
@@ -119,7 +130,8 @@ class Catalog:
     def in_storage(self, lk: bytes) -> bool:
         """True if every rank's storage holds its shard of ``lk``."""
         return bool(self.storage) and all(
-            t.contains(self.record_key(r, lk)) for r, t in enumerate(self.storage))
+            t.contains(self.record_key(r, lk)) for r, t in enumerate(self.storage)
+        )
 
     def where(self, lk: bytes) -> str | None:
         if self.in_memory(lk):
@@ -173,7 +185,9 @@ class Catalog:
             slot = got[0]
             off = slot * self.slot_bytes
             for r, tier in enumerate(self.storage):
-                if not tier.read_into(self.record_key(r, lk), self.pools[r].view[off : off + self.slot_bytes]):
+                if not tier.read_into(
+                    self.record_key(r, lk), self.pools[r].view[off : off + self.slot_bytes]
+                ):
                     with self._lock:
                         self._index.abort(slot)
                     return False
@@ -293,7 +307,9 @@ class Catalog:
             out[MEMORY] = self._mem_stats.snapshot(
                 used_bytes=used * self.payload_bytes * self.world_size,
                 capacity_bytes=self.num_slots * self.payload_bytes * self.world_size,
-                chunks=used, pinned_slots=pinned, cascade_pending=self._cascade.qsize(),
+                chunks=used,
+                pinned_slots=pinned,
+                cascade_pending=self._cascade.qsize(),
             )
         if self.storage:
             per_rank = [t.stats() for t in self.storage]

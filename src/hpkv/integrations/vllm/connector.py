@@ -59,15 +59,17 @@ def _setup_logging() -> None:
 
 
 class HpkvConnectorV1(KVConnectorBase_V1):
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
         _setup_logging()
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = HpkvConfig.load(extra, source="kv_connector_extra_config")
-        self.namespace, self.block_size, self.layer_names = _describe_engine(vllm_config, kv_cache_config,
-                                                                            self.config)
+        self.namespace, self.block_size, self.layer_names = _describe_engine(
+            vllm_config, kv_cache_config, self.config
+        )
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -76,8 +78,13 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             # A cache miss must never fail a request: recompute what could not be loaded.
             if ktc.kv_load_failure_policy != "recompute":
                 ktc.kv_load_failure_policy = "recompute"
-            self._scheduler = HpkvScheduler(self.config, self.namespace, self.block_size,
-                                            load=ktc.is_kv_consumer, store=ktc.is_kv_producer)
+            self._scheduler = HpkvScheduler(
+                self.config,
+                self.namespace,
+                self.block_size,
+                load=ktc.is_kv_consumer,
+                store=ktc.is_kv_producer,
+            )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -85,8 +92,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
             rank = get_tensor_model_parallel_rank()
             self.namespace = self.namespace.for_rank(rank)
-            self._worker = HpkvWorker(self.namespace, self.config.chunk_size, self.block_size,
-                                      _backend_name(vllm_config, self.layer_names))
+            self._worker = HpkvWorker(
+                self.namespace,
+                self.config.chunk_size,
+                self.block_size,
+                _backend_name(vllm_config, self.layer_names),
+            )
 
     # -- worker side --------------------------------------------------------------------
 
@@ -105,8 +116,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
         return  # chunks are gathered whole in wait_for_save, after every layer is written
 
     def wait_for_save(self) -> None:
@@ -128,11 +140,15 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self._scheduler is not None
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
@@ -157,8 +173,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         return False  # a best-effort cache: a dropped store is a later miss
 
 
-def _describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
-                     config: HpkvConfig) -> tuple[Namespace, int, list[str]]:
+def _describe_engine(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, config: HpkvConfig
+) -> tuple[Namespace, int, list[str]]:
     """Namespace (rank 0), engine block size and layer order, from what vLLM configured."""
     if kv_cache_config is None:
         raise HpkvConfigError("hpkv needs vLLM's kv_cache_config (vLLM ≥ 0.11)")
@@ -173,8 +190,13 @@ def _describe_engine(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | N
     if pc.pipeline_parallel_size > 1:
         raise HpkvConfigError("hpkv does not support pipeline parallelism yet (--pipeline-parallel-size > 1)")
     mla = bool(getattr(spec, "use_mla", False)) or type(spec).__name__.startswith("MLA")
-    layout = KVLayout(num_layers=len(groups[0].layer_names), num_kv_heads=int(spec.num_kv_heads),
-                      head_dim=int(spec.head_size), dtype=spec.dtype, num_kv=1 if mla else 2)
+    layout = KVLayout(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads),
+        head_dim=int(spec.head_size),
+        dtype=spec.dtype,
+        num_kv=1 if mla else 2,
+    )
     mc = vllm_config.model_config
     fingerprint = hashlib.sha256(mc.hf_config.to_json_string().encode()).hexdigest()[:16]
     model_id = f"{mc.model}@{mc.revision or ''}#{fingerprint}"

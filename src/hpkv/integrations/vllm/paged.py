@@ -39,8 +39,9 @@ class LayerViews:
 
 
 class PagedKV:
-    def __init__(self, caches: Sequence[torch.Tensor], block_size: int, layout: KVLayout,
-                 backend: str) -> None:
+    def __init__(
+        self, caches: Sequence[torch.Tensor], block_size: int, layout: KVLayout, backend: str
+    ) -> None:
         """``caches``: the per-layer tensors in model order; ``backend``: the attention backend name."""
         self.block_size = block_size
         self.layout = layout
@@ -55,7 +56,9 @@ class PagedKV:
         if t.dtype != L.dtype:
             raise ValueError(f"KV cache dtype {t.dtype} differs from the layout's {L.dtype}")
         if t.dim() != 4:
-            raise ValueError(f"expected a [blocks, heads, block_size, C] KV tensor, got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"expected a [blocks, heads, block_size, C] KV tensor, got shape {tuple(t.shape)}"
+            )
         blocks, heads, bs, c = t.shape
         if bs != self.block_size or heads != L.num_kv_heads:
             raise ValueError(

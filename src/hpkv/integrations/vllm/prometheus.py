@@ -33,16 +33,28 @@ def install_collector() -> None:
         def collect(self) -> Iterator[Any]:
             path = os.environ.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv")
             docs = read_all(path)
-            counters = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "writes",
-                        "writes_skipped", "evictions", "errors", "promotions")
+            counters = (
+                "hits",
+                "misses",
+                "corrupt",
+                "bytes_read",
+                "bytes_written",
+                "writes",
+                "writes_skipped",
+                "evictions",
+                "errors",
+                "promotions",
+            )
             gauges = ("used_bytes", "capacity_bytes", "chunks")
             fams: dict[str, Any] = {}
             for name in counters:
-                fams[name] = CounterMetricFamily(f"hpkv_tier_{name}", f"hpkv per-tier {name}",
-                                                 labels=["tier", "pid"])
+                fams[name] = CounterMetricFamily(
+                    f"hpkv_tier_{name}", f"hpkv per-tier {name}", labels=["tier", "pid"]
+                )
             for name in gauges:
-                fams[name] = GaugeMetricFamily(f"hpkv_tier_{name}", f"hpkv per-tier {name}",
-                                               labels=["tier", "pid"])
+                fams[name] = GaugeMetricFamily(
+                    f"hpkv_tier_{name}", f"hpkv per-tier {name}", labels=["tier", "pid"]
+                )
             conn = CounterMetricFamily("hpkv_connector", "hpkv connector counters", labels=["what", "pid"])
             for doc in docs:
                 pid = str(doc.get("pid"))

@@ -63,12 +63,16 @@ class _Op:
 
 
 class HpkvScheduler:
-    def __init__(self, config: HpkvConfig, namespace: Namespace, block_size: int, *,
-                 load: bool, store: bool) -> None:
+    def __init__(
+        self, config: HpkvConfig, namespace: Namespace, block_size: int, *, load: bool, store: bool
+    ) -> None:
         if config.chunk_size % block_size:
-            raise_config(config, "chunk_size",
-                         f"is not a multiple of the engine's --block-size {block_size}",
-                         f"{block_size * max(1, config.chunk_size // block_size)}")
+            raise_config(
+                config,
+                "chunk_size",
+                f"is not a multiple of the engine's --block-size {block_size}",
+                f"{block_size * max(1, config.chunk_size // block_size)}",
+            )
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
@@ -80,13 +84,23 @@ class HpkvScheduler:
         self._ops: dict[int, _Op] = {}
         self._next_op = 1
         self._pending_store: set[bytes] = set()
-        self._counters = {"lookups": 0, "lookup_hit_tokens": 0, "loaded_tokens": 0, "stored_tokens": 0,
-                          "load_failures": 0, "store_failures": 0}
+        self._counters = {
+            "lookups": 0,
+            "lookup_hit_tokens": 0,
+            "loaded_tokens": 0,
+            "stored_tokens": 0,
+            "load_failures": 0,
+            "store_failures": 0,
+        }
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self._write_stats(force=True)
-        log.info("hpkv: scheduler ready: tiers %s, chunk %d tokens, %s per chunk per rank, %d rank(s)",
-                 ",".join(self.catalog.stats()) or "none", self.chunk_size,
-                 f"{self.catalog.payload_bytes / 2**20:.2f} MiB", self.world_size)
+        log.info(
+            "hpkv: scheduler ready: tiers %s, chunk %d tokens, %s per chunk per rank, %d rank(s)",
+            ",".join(self.catalog.stats()) or "none",
+            self.chunk_size,
+            f"{self.catalog.payload_bytes / 2**20:.2f} MiB",
+            self.world_size,
+        )
 
     # -- lookup ----------------------------------------------------------------------
 
@@ -107,18 +121,16 @@ class HpkvScheduler:
         first = num_computed // C
         lks = st.lks
         if not st.staged:
-            where = self.catalog.locate(lks[first:])
-            need = [lk for lk, w in zip(lks[first:], where, strict=True) if w == STORAGE]
-            if need:
-                if not st.staging:
-                    st.staging = self.catalog.stage(need)
-                    st.staging_since = time.monotonic()
-                    st.tiers = {MEMORY: where.count(MEMORY), STORAGE: len(need)}
+            if not st.staging:
+                where = self.catalog.locate(lks[first:])
+                need = [lk for lk, w in zip(lks[first:], where, strict=True) if w == STORAGE]
+                st.tiers = {MEMORY: where.count(MEMORY), STORAGE: len(need)}
+                st.staging = self.catalog.stage(need)
+                st.staging_since = time.monotonic()
+            if st.staging:
                 _, pending = wait(st.staging, timeout=STAGE_WAIT_S)
                 if pending and time.monotonic() - st.staging_since < STAGE_GIVE_UP_S:
                     return None, False
-            else:
-                st.tiers = {MEMORY: where.count(MEMORY)}
             st.staged = True
             st.staging = []
         self._counters["lookups"] += 1

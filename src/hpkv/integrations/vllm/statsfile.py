@@ -1,8 +1,9 @@
 """Counters readable from outside the engine: a small JSON file per engine, rewritten atomically.
 
 ``hpkv stats`` and the Prometheus collector read these files; the scheduler
-process writes its file at most every ``MIN_INTERVAL_S`` unless forced, and
-always after a step that changed something a test or an operator waits for.
+process rewrites its file (write + rename, a few hundred bytes) after each
+step that changed a counter, so a client that got its response can read
+counters that already include its request.
 JSON only: nothing read back can execute code.
 """
 
@@ -16,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-MIN_INTERVAL_S = 0.05
 SUFFIX = ".stats.json"
 
 
@@ -24,24 +24,26 @@ class StatsFile:
     def __init__(self, path: str, model: str) -> None:
         self.path = path
         self.model = model
-        self._last = 0.0
         self._last_body = ""
 
     @classmethod
     def for_pool_dir(cls, share_mem_file_path: str, model: str) -> StatsFile:
         d = stats_dir(share_mem_file_path)
         os.makedirs(d, mode=0o700, exist_ok=True)
+        for p in glob.glob(os.path.join(d, f"hpkv-*{SUFFIX}")):  # left by engines that died
+            pid = _pid_of(p)
+            if pid is not None and pid != os.getpid() and not _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
         return cls(os.path.join(d, f"hpkv-{os.getpid()}{SUFFIX}"), model)
 
     def write(self, produce: Callable[[], dict[str, Any]], *, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < MIN_INTERVAL_S:
-            return
+        """Rewrite the file if the counters changed since the last write (or if forced)."""
         data = produce()
         body = json.dumps(data, sort_keys=True)
         if body == self._last_body and not force:
             return
-        self._last, self._last_body = now, body
+        self._last_body = body
         doc = {"pid": os.getpid(), "model": self.model, "time": time.time(), **data}
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
@@ -72,6 +74,11 @@ def read_all(share_mem_file_path: str) -> list[dict[str, Any]]:
             continue
         out.append(doc)
     return out
+
+
+def _pid_of(path: str) -> int | None:
+    name = os.path.basename(path)[len("hpkv-") : -len(SUFFIX)]
+    return int(name) if name.isdigit() else None
 
 
 def _alive(pid: int) -> bool:

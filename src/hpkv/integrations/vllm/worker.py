@@ -85,12 +85,18 @@ class HpkvWorker:
         for n, ch in enumerate(req.chunks):
             rec, payload = self._slot(pool, ch.slot)
             rk = record_key(self.rank_digest, ch.lk)
-            verdict = record.verify(rec, self.record_bytes, self.rank_digest, rk, self.payload_bytes,
-                                    check_payload=False)
+            verdict = record.verify(
+                rec, self.record_bytes, self.rank_digest, rk, self.payload_bytes, check_payload=False
+            )
             if verdict is not record.Verdict.OK:
                 failed_from = n
-                log.warning("hpkv: chunk slot %d of request %s failed its header check (%s); "
-                            "the engine recomputes from there", ch.slot, req.req_id, verdict.value)
+                log.warning(
+                    "hpkv: chunk slot %d of request %s failed its header check (%s); "
+                    "the engine recomputes from there",
+                    ch.slot,
+                    req.req_id,
+                    verdict.value,
+                )
                 break
             self.paged.scatter(payload, ch.block_ids, ch.first, ch.count)
             loaded += ch.count
@@ -107,7 +113,12 @@ class HpkvWorker:
             log.info(
                 "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
                 "cost %.4f ms, throughput: %.4f GB/s (%s)",
-                loaded, req.requested_tokens, req.prompt_tokens, gb, dt * 1e3, gb / dt if dt > 0 else 0.0,
+                loaded,
+                req.requested_tokens,
+                req.prompt_tokens,
+                gb,
+                dt * 1e3,
+                gb / dt if dt > 0 else 0.0,
                 tiers or "memory",
             )
 
@@ -132,8 +143,13 @@ class HpkvWorker:
             dt = time.perf_counter() - t0
             n = len(meta.stores)
             gb = n * self.payload_bytes * self.ns.world_size / 1e9
-            log.info("hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms",
-                     n * self.chunk_size, n, gb, dt * 1e3)
+            log.info(
+                "hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms",
+                n * self.chunk_size,
+                n,
+                gb,
+                dt * 1e3,
+            )
 
     # -- reporting -----------------------------------------------------------------------
 

@@ -1,0 +1,165 @@
+"""Start, probe and stop a vLLM OpenAI server with hpkv, and talk to it the way the seed's script does.
+
+Used by ``hpkv bench ttft`` and by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpkv.cli.serve import serve_env, vllm_command
+from hpkv.integrations.vllm.statsfile import read_all
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+@dataclass
+class Server:
+    model: str
+    port: int
+    env: dict[str, str]
+    log_path: str
+    block_size: int = 64
+    kv_role: str = "kv_both"
+    connector_json: str | None = None  # the seed's exact --kv-transfer-config, when set
+    vllm_args: list[str] = field(default_factory=list)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        cmd = vllm_command(
+            self.model,
+            port=self.port,
+            block_size=self.block_size,
+            kv_role=self.kv_role,
+            vllm_args=self.vllm_args,
+            python=sys.executable,
+        )
+        if self.connector_json is not None:
+            i = cmd.index("--kv-transfer-config")
+            if self.connector_json == "":
+                del cmd[i : i + 2]
+            else:
+                cmd[i + 1] = self.connector_json
+        return cmd
+
+    def start(self, timeout: float = 400.0) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.command(),
+            env=serve_env(self.env),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(
+                    f"vLLM exited with {self.proc.returncode} while starting; "
+                    f"see {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                status, _ = self.request("GET", "/v1/models", timeout=2)
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"vLLM did not become ready in {timeout:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=30)
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    # -- HTTP ------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: Any = None, timeout: float = 600) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers={"content-type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.read()
+        finally:
+            conn.close()
+
+    def complete(
+        self, prompt: str | list[int], max_tokens: int = 1, timeout: float = 600
+    ) -> tuple[float, dict[str, Any]]:
+        """POST /v1/completions (temperature 0, not streamed); returns (time to first byte, response)."""
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": False,
+        }
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            t0 = time.perf_counter()
+            conn.request(
+                "POST",
+                "/v1/completions",
+                body=json.dumps(body).encode(),
+                headers={"content-type": "application/json"},
+            )
+            r = conn.getresponse()  # returns once the status line and headers arrived
+            first = r.read(1)
+            ttfb = time.perf_counter() - t0
+            rest = r.read()
+            if r.status != 200:
+                raise ServerError(f"/v1/completions answered {r.status}: {(first + rest)[:500]!r}")
+            return ttfb, json.loads(first + rest)
+        finally:
+            conn.close()
+
+    def reset_prefix_cache(self, external: bool = False) -> None:
+        path = "/reset_prefix_cache" + ("?reset_external=true" if external else "")
+        status, body = self.request("POST", path)
+        if status != 200:
+            raise ServerError(f"{path} answered {status}: {body[:300]!r}")
+
+    def hpkv_stats(self) -> dict[str, Any]:
+        """The counters of this server's engine (its scheduler process writes them)."""
+        docs = read_all(self.env.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv"))
+        if not docs:
+            raise ServerError("no hpkv stats file: is the connector running?")
+        return max(docs, key=lambda d: d.get("time", 0))
+
+
+def counter(stats: Mapping[str, Any], tier: str, name: str) -> int:
+    if tier == "connector":
+        return int(stats.get("connector", {}).get(name, 0))
+    return int(stats.get("tiers", {}).get(tier, {}).get(name, 0))

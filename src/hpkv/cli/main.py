@@ -1,0 +1,117 @@
+"""``hpkv``: serve, demo-model, stats, clear, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    vllm_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, vllm_args = argv[:i], argv[i + 1 :]
+    ap = argparse.ArgumentParser(prog="hpkv", description="hpkv: a hierarchical KV cache for LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="start vLLM's OpenAI server with hpkv (args after -- go to vLLM)")
+    s.add_argument("model")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--block-size", type=int, default=64)
+    s.add_argument("--kv-role", choices=["kv_both", "kv_producer", "kv_consumer"], default="kv_both")
+    s.add_argument("--served-model-name", default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+
+    d = sub.add_parser("demo-model", help="write a random-weight Qwen2 model and tokenizer (offline)")
+    d.add_argument("dir")
+    d.add_argument("--size", choices=["tiny", "small"], default="small")
+
+    st = sub.add_parser("stats", help="per-tier counters of running engines")
+    st.add_argument("--dir", default=None, help="pool directory (default: HPKV_SHARE_MEM_FILE_PATH)")
+    st.add_argument("--json", action="store_true")
+
+    c = sub.add_parser("clear", help="delete every chunk in a storage directory")
+    c.add_argument("--storage", default=None, help="storage directory (default: HPKV_KV_STORAGE_PATH)")
+
+    b = sub.add_parser("bench", help="benchmarks: tiers, ttft")
+    b.add_argument("which", choices=["tiers", "ttft"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+
+    a = ap.parse_args(argv)
+    a.vllm_args = vllm_args
+    if a.cmd == "serve":
+        from hpkv.cli.serve import main as serve_main
+
+        return serve_main(a)
+    if a.cmd == "demo-model":
+        from hpkv.cli.demo_model import write_demo_model
+
+        m = write_demo_model(a.dir, a.size)
+        print(f"wrote a random-weight Qwen2 ({a.size}) and a tokenizer to {m.path}")
+        return 0
+    if a.cmd == "stats":
+        return _stats(a.dir, a.json)
+    if a.cmd == "clear":
+        return _clear(a.storage)
+    if a.cmd == "bench":
+        if a.which == "tiers":
+            from hpkv.bench.tiers import main as tiers_main
+
+            return tiers_main(a.rest)
+        from hpkv.bench.ttft import main as ttft_main
+
+        return ttft_main(a.rest)
+    return 2  # pragma: no cover
+
+
+def _stats(directory: str | None, as_json: bool) -> int:
+    import os
+
+    from hpkv.integrations.vllm.statsfile import read_all
+
+    path = directory or os.environ.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv")
+    docs = read_all(path)
+    if as_json:
+        print(json.dumps(docs, indent=1))
+        return 0
+    if not docs:
+        print(f"no running hpkv engine found under {path}")
+        return 1
+    for doc in docs:
+        print(f"engine pid {doc['pid']}  model {doc['model']}")
+        for tier, v in doc.get("tiers", {}).items():
+            print(
+                f"  {tier:8} hits {v['hits']:>8}  misses {v['misses']:>6}  corrupt {v['corrupt']:>4}  "
+                f"read {v['bytes_read'] / 2**20:10.1f} MiB  written {v['bytes_written'] / 2**20:10.1f} MiB  "
+                f"used {v['used_bytes'] / 2**20:9.1f}/{v['capacity_bytes'] / 2**20:.0f} MiB  "
+                f"evictions {v['evictions']}  errors {v['errors']}"
+            )
+        print("  connector", " ".join(f"{k}={v}" for k, v in doc.get("connector", {}).items()))
+    return 0
+
+
+def _clear(storage: str | None) -> int:
+    import os
+
+    from hpkv.tiers.disk.tier import FORMAT_DIR
+
+    path = storage or os.environ.get("HPKV_KV_STORAGE_PATH")
+    if not path:
+        print("hpkv clear: give --storage DIR or set HPKV_KV_STORAGE_PATH", file=sys.stderr)
+        return 2
+    root = os.path.join(os.path.expanduser(path), FORMAT_DIR)
+    n = 0
+    for d, _, names in os.walk(root):
+        for name in names:
+            if name.endswith(".kv"):
+                os.unlink(os.path.join(d, name))
+                n += 1
+    print(f"removed {n} chunk files under {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
