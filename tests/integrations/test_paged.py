@@ -1,0 +1,118 @@
+"""The mover against each attention backend's documented KV semantics, written independently here.
+
+CPU_ATTN: a [blocks, heads, bs, 2d] tensor read as [blocks, heads, 2bs, d], K rows then V rows.
+GPU backends (FlashAttention & co.): logical [blocks, heads, bs, 2d], K = C[:d], V = C[d:], with
+token-major or head-major physical strides, possibly as strided views of one allocation.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpkv.core.layout import KVLayout
+from hpkv.integrations.vllm.paged import PagedKV
+
+L, H, D = 3, 2, 16
+NUM_BLOCKS = 40
+
+
+def make_caches(kind: str, bs: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    if kind == "cpu":
+        return [torch.zeros(NUM_BLOCKS, H, bs, 2 * D, dtype=dtype) for _ in range(L)]
+    if kind == "gpu-token-major":  # physical [B, N, H, C] per layer
+        return [torch.zeros(NUM_BLOCKS, bs, H, 2 * D, dtype=dtype).permute(0, 2, 1, 3) for _ in range(L)]
+    if kind == "gpu-one-allocation":  # physical [B, L, N, H, C]: per-layer strided views
+        raw = torch.zeros(NUM_BLOCKS, L, bs, H, 2 * D, dtype=dtype)
+        return [raw[:, i].permute(0, 2, 1, 3) for i in range(L)]
+    if kind == "gpu-head-major":  # physical [B, H, N, C]
+        return [torch.zeros(NUM_BLOCKS, H, bs, 2 * D, dtype=dtype) for _ in range(L)]
+    raise AssertionError(kind)
+
+
+def write_kv(kind: str, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bs: int) -> None:
+    """Fill one layer from K and V of shape [blocks, bs, H, D], the way the backend's kernel lays them."""
+    if kind == "cpu":
+        rows = cache.view(NUM_BLOCKS, H, 2 * bs, D)
+        rows[:, :, :bs] = k.permute(0, 2, 1, 3)
+        rows[:, :, bs:] = v.permute(0, 2, 1, 3)
+    else:
+        cache[..., :D] = k.permute(0, 2, 1, 3)
+        cache[..., D:] = v.permute(0, 2, 1, 3)
+
+
+def read_kv(kind: str, cache: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "cpu":
+        rows = cache.view(NUM_BLOCKS, H, 2 * bs, D)
+        return rows[:, :, :bs].permute(0, 2, 1, 3), rows[:, :, bs:].permute(0, 2, 1, 3)
+    return cache[..., :D].permute(0, 2, 1, 3), cache[..., D:].permute(0, 2, 1, 3)
+
+
+KINDS = ["cpu", "gpu-token-major", "gpu-one-allocation", "gpu-head-major"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gather_then_scatter_round_trip(kind: str, bs: int, dtype: torch.dtype) -> None:
+    chunk = 128
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype)
+    caches = make_caches(kind, bs, dtype)
+    g = torch.Generator().manual_seed(bs)
+    ks = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
+    vs = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
+    for c, k, v in zip(caches, ks, vs, strict=True):
+        write_kv(kind, c, k, v, bs)
+    backend = "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN"
+    paged = PagedKV(caches, bs, layout, backend)
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    src_blocks, dst_blocks = perm[: chunk // bs], perm[chunk // bs : 2 * chunk // bs]
+
+    payload = torch.empty(layout.chunk_bytes(chunk), dtype=torch.uint8)
+    paged.gather(payload, src_blocks)
+    canon = payload.view(dtype).view(layout.chunk_shape(chunk))
+    for li in range(L):
+        assert torch.equal(canon[li, 0], ks[li][src_blocks].reshape(chunk, H, D))
+        assert torch.equal(canon[li, 1], vs[li][src_blocks].reshape(chunk, H, D))
+
+    paged.scatter(payload, dst_blocks, 0, chunk)
+    for li in range(L):
+        k, v = read_kv(kind, caches[li], bs)
+        assert torch.equal(k[dst_blocks], ks[li][src_blocks])
+        assert torch.equal(v[dst_blocks], vs[li][src_blocks])
+
+
+@pytest.mark.parametrize("kind", ["cpu", "gpu-token-major"])
+def test_partial_scatter_touches_only_the_named_tokens(kind: str) -> None:
+    bs, chunk = 32, 128
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16)
+    caches = make_caches(kind, bs, torch.bfloat16)
+    paged = PagedKV(caches, bs, layout, "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN")
+    payload = torch.randn(layout.chunk_bytes(chunk) // 2).to(torch.bfloat16).view(torch.uint8)
+    blocks = [5, 9, 2, 7]
+    paged.scatter(payload, blocks, first=32, count=50)  # tokens 32..81: block 9 whole, block 2 up to 18
+    canon = payload.view(torch.bfloat16).view(layout.chunk_shape(chunk))
+    for li in range(L):
+        k, _ = read_kv(kind, caches[li], bs)
+        assert torch.equal(k[9], canon[li, 0, 32:64])
+        assert torch.equal(k[2, :18], canon[li, 0, 64:82])
+        assert not k[2, 18:].any() and not k[5].any() and not k[7].any()
+
+
+def test_shape_mismatch_is_refused() -> None:
+    layout = KVLayout(num_layers=1, num_kv_heads=H, head_dim=D, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim"):
+        PagedKV([torch.zeros(4, H, 16, 3 * D, dtype=torch.bfloat16)], 16, layout, "CPU_ATTN")
+    with pytest.raises(ValueError, match="dtype"):
+        PagedKV([torch.zeros(4, H, 16, 2 * D, dtype=torch.float32)], 16, layout, "CPU_ATTN")
+
+
+def test_mla_single_latent() -> None:
+    bs, chunk, c = 16, 64, 24
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=c, dtype=torch.bfloat16, num_kv=1)
+    caches = [torch.randn(10, 1, bs, c).to(torch.bfloat16) for _ in range(2)]
+    paged = PagedKV(caches, bs, layout, "FLASHMLA")
+    payload = torch.empty(layout.chunk_bytes(chunk), dtype=torch.uint8)
+    paged.gather(payload, [1, 3, 5, 7])
+    canon = payload.view(torch.bfloat16).view(layout.chunk_shape(chunk))
+    assert torch.equal(canon[1, 0, :, 0], caches[1][[1, 3, 5, 7], 0].reshape(chunk, c))
