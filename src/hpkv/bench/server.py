@@ -54,15 +54,14 @@ class Server:
         return cmd
 
     def start(self, timeout: float = 400.0) -> None:
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            self.command(),
-            env=serve_env(self.env),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(),
+                env=serve_env(self.env),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -16,6 +16,7 @@ import json
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
 SIZES = {
     # 4 layers × 2 KV heads × 64 × bf16: 4 KiB of KV per token; fast enough for tests on 2 cores.
@@ -82,8 +83,11 @@ def build_tokenizer(words: list[str]) -> object:
 
 def write_demo_model(path: str, size: str = "tiny", seed: int = 0) -> DemoModel:
     """Write config, random bf16 weights (safetensors) and tokenizer files to ``path``."""
+    import importlib
+
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    transformers: Any = importlib.import_module("transformers")
 
     if size not in SIZES:
         raise ValueError(f"--size {size!r} is not one of {', '.join(SIZES)}")
@@ -105,7 +109,7 @@ def write_demo_model(path: str, size: str = "tiny", seed: int = 0) -> DemoModel:
             f,
             indent=1,
         )
-    cfg = Qwen2Config(
+    kwargs: dict[str, Any] = dict(
         vocab_size=padded_vocab,
         max_position_embeddings=MAX_POSITIONS,
         max_window_layers=SIZES[size]["num_hidden_layers"],
@@ -113,11 +117,12 @@ def write_demo_model(path: str, size: str = "tiny", seed: int = 0) -> DemoModel:
         rope_theta=1_000_000.0,
         eos_token_id=0,
         bos_token_id=0,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
         **SIZES[size],
     )
+    cfg = transformers.Qwen2Config(**kwargs)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(path, safe_serialization=True)
     with open(os.path.join(path, "hpkv-words.txt"), "w") as f:
         f.write("\n".join(words) + "\n")

@@ -9,6 +9,7 @@ hpkv's message rather than deep inside an engine process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -78,21 +79,20 @@ def _cpu_build() -> bool:
         return True
 
 
-def main(args: object) -> int:
+def main(a: argparse.Namespace) -> int:
     from hpkv.core.config import HpkvConfig
 
-    a = args  # argparse namespace
     HpkvConfig.from_env()  # fail early, with hpkv's message, on a bad HPKV_* value
     cmd = vllm_command(
         a.model,
         port=a.port,
         host=a.host,
-        block_size=a.block_size,  # type: ignore[attr-defined]
+        block_size=a.block_size,
         kv_role=a.kv_role,
-        served_model_name=a.served_model_name,  # type: ignore[attr-defined]
+        served_model_name=a.served_model_name,
         max_model_len=a.max_model_len,
         vllm_args=a.vllm_args,
-    )  # type: ignore[attr-defined]
+    )
     env = serve_env()
     print("hpkv serve:", " ".join(cmd), flush=True)
     os.execvpe(cmd[0], cmd, env)

@@ -64,7 +64,8 @@ class Catalog:
                 if config.mem_pool_size < self.slot_bytes:
                     raise HpkvConfigError(
                         f"{config.where('mem_pool_size')}={config.mem_pool_size} bytes holds no chunk "
-                        f"(one chunk of {self.chunk_size} tokens is {format_size(self.slot_bytes)} per rank); "
+                        f"(one chunk of {self.chunk_size} tokens is {format_size(self.slot_bytes)} "
+                        "per rank); "
                         f"use e.g. {config.example('mem_pool_size')}, or 0 to disable the memory tier"
                     )
                 tag = self.logical_digest.hex()[:6]

@@ -9,6 +9,7 @@ but JSON.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -67,7 +68,5 @@ def install_collector() -> None:
             yield from fams.values()
             yield conn
 
-    try:
-        REGISTRY.register(HpkvCollector())  # type: ignore[arg-type]
-    except ValueError:
-        pass
+    with contextlib.suppress(ValueError):  # already registered in this process
+        REGISTRY.register(HpkvCollector())

@@ -217,13 +217,13 @@ class HpkvScheduler:
             lk = st.lks[j]
             if lk in self._pending_store or self.catalog.in_memory(lk) or self.catalog.in_storage(lk):
                 continue
-            slot = self.catalog.reserve()
-            if slot is None:
+            reserved = self.catalog.reserve()
+            if reserved is None:
                 continue
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
-            op = self._new_op(_Op("store", [slot], lk=lk, remaining=self.world_size, tokens=C))
+            op = self._new_op(_Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C))
             self._pending_store.add(lk)
-            meta.stores.append(StoreChunk(op, slot, lk, blocks))
+            meta.stores.append(StoreChunk(op, reserved, lk, blocks))
 
     def _new_op(self, op: _Op) -> int:
         op_id = self._next_op
