@@ -172,7 +172,7 @@ class ShmPool:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
                 os.ftruncate(fd, size)  # a filesystem without fallocate
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = _map(fd, size)
         except BaseException:
             os.close(fd)
             _unlink_quietly(path)
@@ -180,6 +180,26 @@ class ShmPool:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.view = memoryview(self._mm)
         self._closed = False
+        self._stop_prefault = threading.Event()
+        self._prefault = threading.Thread(target=self._touch_all, name="hpkv-prefault", daemon=True)
+        self._prefault.start()
+
+    def _touch_all(self) -> None:
+        """Read one byte of every page, in the background, once.
+
+        tmpfs hands out fallocated pages zeroed on their first fault; in a VM
+        with nested paging that costs ~10 µs per 4 KiB page (measured here), so
+        the first store into each slot would pay it on the engine's step.
+        Reading ahead of use moves that cost off the hot path (1 GiB: ~0.4 s of
+        one core, the GIL released). Stops early if the pool is closed.
+        """
+        step = 64 << 20
+        pages = self.tensor[: self.size - self.size % PAGE].view(-1, PAGE)
+        per_step = step // PAGE
+        for i in range(0, pages.shape[0], per_step):
+            if self._stop_prefault.is_set():
+                return
+            pages[i : i + per_step, 0].sum()
 
     @classmethod
     def attach(cls, path: str, size: int) -> ShmPool:
@@ -193,7 +213,7 @@ class ShmPool:
         try:
             if os.fstat(fd).st_size < size:
                 raise HpkvConfigError(f"memory pool file {path} is smaller than {size} bytes")
-            self._mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mm = _map(fd, size)
         finally:
             os.close(fd)
         self._fd = -1
@@ -201,9 +221,11 @@ class ShmPool:
         self.view = memoryview(self._mm)
         self._closed = False
         self._owner = False
+        self._prefault = None
         return self
 
     _owner = True
+    _prefault: threading.Thread | None = None
 
     def close(self) -> None:
         """Unmap (and, if this process created it, remove) the file.
@@ -211,6 +233,9 @@ class ShmPool:
         if self._closed:
             return
         self._closed = True
+        if self._prefault is not None:
+            self._stop_prefault.set()
+            self._prefault.join()
         if self._owner:
             _unlink_quietly(self.path)
         self.view.release()
@@ -220,6 +245,17 @@ class ShmPool:
             self._mm.close()
         if self._fd >= 0:
             os.close(self._fd)
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """Map the pool shared, asking for huge pages: the first touch of a 4 KiB page costs ~10 µs
+    in a VM with nested paging (measured here: 64 MiB in 0.19 s; 0.02 s with MADV_HUGEPAGE),
+    which would otherwise dominate the first store into each slot."""
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            mm.madvise(mmap.MADV_HUGEPAGE)
+    return mm
 
 
 def _unlink_quietly(path: str) -> None:
