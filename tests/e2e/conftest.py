@@ -69,7 +69,17 @@ def make_server(
     )
     if env:
         e.update(env)
-    args = ["--max-model-len", "8192", "--max-num-batched-tokens", "2048", *(vllm_args or [])]
+    from hpkv.bench.ttft import model_dtype
+
+    args = [
+        "--max-model-len",
+        "8192",
+        "--max-num-batched-tokens",
+        "2048",
+        "--dtype",
+        model_dtype(model),
+        *(vllm_args or []),
+    ]
     return Server(
         model,
         port,

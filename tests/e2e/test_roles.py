@@ -15,8 +15,10 @@ import pytest
 
 from tests.e2e.conftest import CHUNK, Counters, make_server, text, words_prompt
 
-MODULE_JSON = ('{"kv_connector":"HpkvConnectorV1","kv_connector_module_path":"hpkv.integrations.vllm.connector",'
-               '"kv_role":"%s"}')
+MODULE_JSON = (
+    '{"kv_connector":"HpkvConnectorV1","kv_connector_module_path":"hpkv.integrations.vllm.connector",'
+    '"kv_role":"%s"}'
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,13 +28,22 @@ def tmp() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_producer_stores_but_never_loads_then_consumer_loads_but_never_stores(demo_model: str, tmp: str) -> None:
+def test_producer_stores_but_never_loads_then_consumer_loads_but_never_stores(
+    demo_model: str, tmp: str
+) -> None:
     storage = os.path.join(tmp, "shared-storage")
     p = words_prompt(demo_model, 1100, seed=11)
     fresh = words_prompt(demo_model, 700, seed=12)
 
-    prod = make_server(demo_model, tmp, "producer", 8441, role="kv_producer", storage=storage,
-                       connector_json=MODULE_JSON % "kv_producer")
+    prod = make_server(
+        demo_model,
+        tmp,
+        "producer",
+        8441,
+        role="kv_producer",
+        storage=storage,
+        connector_json=MODULE_JSON % "kv_producer",
+    )
     prod.start()
     try:
         c = Counters(prod)
@@ -49,8 +60,16 @@ def test_producer_stores_but_never_loads_then_consumer_loads_but_never_stores(de
     finally:
         prod.stop()
 
-    cons = make_server(demo_model, tmp, "consumer", 8442, role="kv_consumer", storage=storage,
-                       env={"VLLM_ENABLE_HPKV": "0"}, connector_json=MODULE_JSON % "kv_consumer")
+    cons = make_server(
+        demo_model,
+        tmp,
+        "consumer",
+        8442,
+        role="kv_consumer",
+        storage=storage,
+        env={"VLLM_ENABLE_HPKV": "0"},
+        connector_json=MODULE_JSON % "kv_consumer",
+    )
     cons.start()
     try:
         c = Counters(cons)

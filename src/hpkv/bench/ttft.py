@@ -57,6 +57,17 @@ class Row:
         return statistics.median(self.ttfts)
 
 
+def model_dtype(model: str) -> str:
+    """The dtype the model was saved in: vLLM's "auto" would downcast float32 to bfloat16 on CPU,
+    which an AVX2-only CPU computes slowly."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+        return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
+    except (OSError, ValueError):
+        return "auto"
+
+
 def letter_prompts(n: int, tokens: int) -> list[str]:
     return [" ".join([chr(ord("A") + i % 26)] * tokens) for i in range(n)]
 
@@ -187,7 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     # compute threads when a connector is configured, which would skew comparisons.
     cpus = sorted(os.sched_getaffinity(0))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")
-    vllm_args = ["--max-model-len", str(max(args.tokens + 64, 2048)), "--max-num-batched-tokens", "2048"]
+    vllm_args = [
+        "--max-model-len",
+        str(max(args.tokens + 64, 2048)),
+        "--max-num-batched-tokens",
+        "2048",
+        "--dtype",
+        model_dtype(model),
+    ]
     server = Server(
         model,
         args.port,

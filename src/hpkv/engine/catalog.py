@@ -29,12 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
-from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.core.stats import TierStats
-from hpkv.core.units import format_size
 from hpkv.tiers.disk import StorageTier
-from hpkv.tiers.memory.pool import PAGE, ShmPool, pool_file_path
+from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
 
 log = logging.getLogger(__name__)
@@ -53,7 +51,7 @@ class Catalog:
         self.logical_digest = namespace.logical_digest
         self.payload_bytes = namespace.layout.chunk_bytes(self.chunk_size)
         self.record_bytes = record.record_bytes(self.payload_bytes)
-        self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
+        self.slot_bytes = slot_bytes(self.record_bytes)
         self._lock = threading.Lock()
         self._mem_stats = TierStats()
         self.pools: list[ShmPool] = []
@@ -61,13 +59,13 @@ class Catalog:
         num_slots = 0
         try:
             if config.mem_pool_size > 0:
-                if config.mem_pool_size < self.slot_bytes:
-                    raise HpkvConfigError(
-                        f"{config.where('mem_pool_size')}={config.mem_pool_size} bytes holds no chunk "
-                        f"(one chunk of {self.chunk_size} tokens is {format_size(self.slot_bytes)} "
-                        "per rank); "
-                        f"use e.g. {config.example('mem_pool_size')}, or 0 to disable the memory tier"
-                    )
+                check_holds_a_chunk(
+                    config.mem_pool_size,
+                    self.slot_bytes,
+                    self.chunk_size,
+                    config.where("mem_pool_size"),
+                    config.example("mem_pool_size"),
+                )
                 tag = self.logical_digest.hex()[:6]
                 for r in range(self.world_size):
                     path = pool_file_path(config.share_mem_file_path, f"{tag}r{r}")
@@ -176,14 +174,9 @@ class Catalog:
 
     def _promote(self, lk: bytes) -> bool:
         try:
-            with self._lock:
-                got = self._index.reserve()
-                if got is not None and got[1] is not None:
-                    self._mem_stats.add("evictions")
-            if got is None:
-                self._mem_stats.add("writes_skipped")
+            slot = self.reserve()
+            if slot is None:
                 return False
-            slot = got[0]
             off = slot * self.slot_bytes
             for r, tier in enumerate(self.storage):
                 if not tier.read_into(

@@ -25,11 +25,10 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key, tokens_to_array
 from hpkv.core.layout import KVLayout
-from hpkv.core.units import format_size
 from hpkv.engine.cascade import Cascade, WriteTarget
 from hpkv.tiers.disk import StorageTier
 from hpkv.tiers.memory import MemoryTier, SlotRef
-from hpkv.tiers.memory.pool import PAGE, ShmPool, pool_file_path
+from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 
 # consume(chunk_index, payload) reads a verified payload (uint8, canonical layout);
 # produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep `payload`.
@@ -61,19 +60,20 @@ class KVStore:
         self._ns = self.namespace.digest
         self.payload_bytes = layout.chunk_bytes(self.chunk_size)
         self.record_bytes = record.record_bytes(self.payload_bytes)
-        self._buf_bytes = -(-self.record_bytes // PAGE) * PAGE
+        self._buf_bytes = slot_bytes(self.record_bytes)
         self._chunk_shape = layout.chunk_shape(self.chunk_size)
 
         self.memory: MemoryTier | None = None
         self.storage: StorageTier | None = None
         try:
             if config.mem_pool_size > 0:
-                if config.mem_pool_size < self._buf_bytes:
-                    raise HpkvConfigError(
-                        f"{config.where('mem_pool_size')}={config.mem_pool_size} bytes holds no chunk "
-                        f"(one chunk of {self.chunk_size} tokens is {format_size(self._buf_bytes)}); "
-                        f"use e.g. {config.example('mem_pool_size')}, or 0 to disable the memory tier"
-                    )
+                check_holds_a_chunk(
+                    config.mem_pool_size,
+                    self._buf_bytes,
+                    self.chunk_size,
+                    config.where("mem_pool_size"),
+                    config.example("mem_pool_size"),
+                )
                 path = pool_file_path(config.share_mem_file_path, self._ns.hex()[:8])
                 pool = ShmPool(
                     path,

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from hpkv.core.procs import pid_alive
+
 SUFFIX = ".stats.json"
 
 
@@ -34,7 +36,7 @@ class StatsFile:
         os.makedirs(d, mode=0o700, exist_ok=True)
         for p in glob.glob(os.path.join(d, f"hpkv-*{SUFFIX}")):  # left by engines that died
             pid = _pid_of(p)
-            if pid is not None and pid != os.getpid() and not _alive(pid):
+            if pid is not None and pid != os.getpid() and not pid_alive(pid):
                 with contextlib.suppress(OSError):
                     os.unlink(p)
         return cls(os.path.join(d, f"hpkv-{os.getpid()}{SUFFIX}"), model)
@@ -73,7 +75,7 @@ def read_all(share_mem_file_path: str) -> list[dict[str, Any]]:
         except (OSError, ValueError):
             continue
         pid = doc.get("pid")
-        if isinstance(pid, int) and not _alive(pid):
+        if isinstance(pid, int) and not pid_alive(pid):
             continue
         out.append(doc)
     return out
@@ -82,13 +84,3 @@ def read_all(share_mem_file_path: str) -> list[dict[str, Any]]:
 def _pid_of(path: str) -> int | None:
     name = os.path.basename(path)[len("hpkv-") : -len(SUFFIX)]
     return int(name) if name.isdigit() else None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -22,6 +22,7 @@ import threading
 import torch
 
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ def reclaim_stale(directory: str) -> list[str]:
         if not m:
             continue
         pid = int(m.group(1))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         path = os.path.join(directory, name)
         try:
@@ -97,16 +98,6 @@ def _reclaim_if_unlocked(path: str) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class ShmPool:
@@ -245,6 +236,20 @@ class ShmPool:
             self._mm.close()
         if self._fd >= 0:
             os.close(self._fd)
+
+
+def slot_bytes(record_bytes: int) -> int:
+    """Pool slots are page-aligned (O_DIRECT reads land in them directly)."""
+    return -(-record_bytes // PAGE) * PAGE
+
+
+def check_holds_a_chunk(size: int, slot: int, chunk_tokens: int, where: str, example: str) -> None:
+    """A pool too small for one chunk is a configuration error, not a pool that silently never hits."""
+    if size < slot:
+        raise HpkvConfigError(
+            f"{where}={size} bytes holds no chunk (one chunk of {chunk_tokens} tokens is {slot} bytes "
+            f"per rank); use e.g. {example}, or 0 to disable the memory tier"
+        )
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
