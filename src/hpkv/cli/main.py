@@ -8,6 +8,16 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hpkv.core.errors import HpkvConfigError
+
+    try:
+        return _main(argv)
+    except HpkvConfigError as e:
+        print(f"hpkv: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     vllm_args: list[str] = []
     if "--" in argv:

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hpkv.cli.serve import vllm_command
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "hpkv.cli.main", *args], capture_output=True, text=True, env=e, timeout=120
+    )
+
+
+def test_serve_refuses_a_bad_setting_with_hpkvs_message() -> None:
+    r = run("serve", "/nonexistent-model", env={"HPKV_KV_MEM_POOL_SIZE": "16X"})
+    assert r.returncode == 2
+    assert "HPKV_KV_MEM_POOL_SIZE='16X' is not a size; use e.g. 16G" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_serve_command_line() -> None:
+    cmd = vllm_command("m", port=9000, block_size=64, kv_role="kv_consumer", vllm_args=["--foo"], python="py")
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-prefix-caching" in cmd and cmd[-1] == "--foo"
+    ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert ktc["kv_connector"] == "HpkvConnectorV1" and ktc["kv_role"] == "kv_consumer"
+
+
+def test_stats_without_an_engine(tmp_path: Path) -> None:
+    r = run("stats", "--dir", str(tmp_path))
+    assert r.returncode == 1 and "no running hpkv engine" in r.stdout
+
+
+def test_clear_removes_chunk_files(tmp_path: Path) -> None:
+    d = tmp_path / "v1" / "ab"
+    d.mkdir(parents=True)
+    (d / ("ab" * 16 + ".kv")).write_bytes(b"x")
+    (d / "keep.txt").write_bytes(b"y")
+    r = run("clear", "--storage", str(tmp_path))
+    assert r.returncode == 0 and "removed 1 chunk files" in r.stdout
+    assert (d / "keep.txt").exists() and not (d / ("ab" * 16 + ".kv")).exists()
+
+
+def test_demo_model_token_counts(tmp_path: Path) -> None:
+    """The seed's prompt is exactly one token per letter; random vocabulary words one token each."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from hpkv.cli.demo_model import load_words, write_demo_model
+
+    write_demo_model(str(tmp_path), "tiny")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert len(tok(" ".join(["A"] * 8192))["input_ids"]) == 8192
+    words = load_words(str(tmp_path))
+    r = random.Random(3)
+    prompt = " ".join(r.choice(words) for _ in range(777))
+    ids = tok(prompt)["input_ids"]
+    assert len(ids) == 777 and tok.decode(ids) == prompt
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["num_key_value_heads"] == 2
