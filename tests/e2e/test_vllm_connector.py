@@ -179,6 +179,21 @@ def test_metrics_endpoint_and_stats_command(server: Server) -> None:
     assert "memory" in out.stdout and "storage" in out.stdout
 
 
+def test_benchmark_marks_a_memory_row_invalid_when_the_engine_served_it(server: Server) -> None:
+    """The TTFT benchmark's proof: without /reset_prefix_cache the engine's own cache answers,
+    so a row claiming "memory" must come out INVALID rather than be reported."""
+    from hpkv.bench.ttft import letter_prompts, run_scenario
+
+    prompts = letter_prompts(2, 1024)
+    log: list[dict[str, object]] = []
+    run_scenario(server, "prefill", prompts, 0.0, 4, log)
+    row = run_scenario(server, "memory", prompts, 0.0, 4, log)  # no reset: a GPU hit in disguise
+    assert not row.valid and row.proof.startswith("INVALID")
+    server.reset_prefix_cache()
+    row = run_scenario(server, "memory", prompts, 0.0, 4, log)
+    assert row.valid, row.proof
+
+
 # -- after a restart: storage hits, mixed hits, a corrupted chunk -------------------------------
 
 
