@@ -9,7 +9,6 @@ and made visible when every rank confirms.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, wait
@@ -17,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
@@ -302,10 +302,4 @@ class HpkvScheduler:
 
 
 def raise_config(config: HpkvConfig, name: str, why: str, example: str) -> None:
-    from hpkv.core.errors import HpkvConfigError
-
     raise HpkvConfigError(f"{config.where(name)}={getattr(config, name)!r} {why}; use e.g. {example}")
-
-
-def pid() -> int:
-    return os.getpid()

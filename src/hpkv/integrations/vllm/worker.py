@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,9 +22,6 @@ from hpkv.core.keys import Namespace, record_key
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
 from hpkv.integrations.vllm.paged import PagedKV
 from hpkv.tiers.memory.pool import PAGE, ShmPool
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("hpkv")
 
