@@ -1,0 +1,20 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpkv import HpkvConfig, HpkvConfigError, KVLayout
+from hpkv.core.keys import Namespace
+
+
+def test_chunk_size_must_be_a_multiple_of_the_engine_block_size(tmp_path: object) -> None:
+    from hpkv.integrations.vllm.scheduler import HpkvScheduler
+
+    ns = Namespace("m", KVLayout(2, 2, 16, torch.bfloat16), 100)
+    cfg = HpkvConfig.load({"chunk_size": 100, "mem_pool_size": 0}, env={}, source="kv_connector_extra_config")
+    with pytest.raises(
+        HpkvConfigError,
+        match=r"chunk_size \(kv_connector_extra_config\)=100 is not a multiple "
+        r"of the engine's --block-size 64; use e.g. 64",
+    ):
+        HpkvScheduler(cfg, ns, 64, load=True, store=True)
