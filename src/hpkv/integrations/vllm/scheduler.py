@@ -110,16 +110,17 @@ class HpkvScheduler:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def _state(self, request: Request) -> _Req:
-        st = self._reqs.get(request.request_id)
+    def _state(self, req_id: str, prompt: list[int] | None) -> _Req:
+        """The request's state, created on first sight (keys are hashed once per request)."""
+        st = self._reqs.get(req_id)
         if st is None:
-            prompt = request.prompt_token_ids or []
+            prompt = prompt or []
             st = _Req(lks=self.catalog.keys(prompt), prompt_len=len(prompt))
-            self._reqs[request.request_id] = st
+            self._reqs[req_id] = st
         return st
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
-        st = self._state(request)
+        st = self._state(request.request_id, request.prompt_token_ids)
         self._release_lease(st)
         if not self.load_enabled or not st.lks:
             return 0, False
@@ -169,24 +170,20 @@ class HpkvScheduler:
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
         meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
         for new in so.scheduled_new_reqs:
-            st = self._reqs.get(new.req_id)
-            if st is None:
-                prompt = new.prompt_token_ids or []
-                st = _Req(lks=self.catalog.keys(prompt), prompt_len=len(prompt))
-                self._reqs[new.req_id] = st
+            st = self._state(new.req_id, new.prompt_token_ids)
             st.block_ids = list(new.block_ids[0])
             self._plan(meta, new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            st = self._reqs.get(req_id)
-            if st is None:
+            known = self._reqs.get(req_id)
+            if known is None:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                known.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
-            self._plan(meta, req_id, st, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+                known.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
         self._write_stats()
         return meta
 
