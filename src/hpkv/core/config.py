@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
+import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +39,8 @@ CONFIG_FILE_ENV = "HPKV_CONFIG_FILE"
 class _Spec:
     env: str  # the HPKV_* variable
     example: str  # a good value, quoted in every error
-    kind: str  # "size" | "int" | "bool" | "path" | "str" | "optpath"
+    # "size" | "int" | "optint" | "float" | "bool" | "choice" | "path" | "optpath" | "str" | "optstr" | "url"
+    kind: str
     minimum: int | None = None
     maximum: int | None = None
 
@@ -53,7 +56,22 @@ _SPECS: dict[str, _Spec] = {
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
+    "remote_url": _Spec("HPKV_REMOTE_URL", "valkey://127.0.0.1:6379", "url"),
+    "valkey_num_workers": _Spec("HPKV_VALKEY_NUM_WORKERS", "8", "int", minimum=1, maximum=256),
+    "valkey_mode": _Spec("HPKV_VALKEY_MODE", "cluster", "choice"),
+    "tls_enable": _Spec("HPKV_VALKEY_TLS_ENABLE", "true", "bool"),
+    "tls_ca_cert": _Spec("HPKV_VALKEY_TLS_CA_CERT", "/etc/ssl/private-ca.pem", "optpath"),
+    "valkey_username": _Spec("HPKV_VALKEY_USERNAME", "hpkv", "optstr"),
+    "valkey_password": _Spec("HPKV_VALKEY_PASSWORD", "s3cret", "optstr"),
+    "valkey_database": _Spec("HPKV_VALKEY_DATABASE", "0", "optint", minimum=0, maximum=1 << 20),
+    "valkey_enable_ttl": _Spec("HPKV_VALKEY_ENABLE_TTL", "true", "bool"),
+    "valkey_ttl_sec": _Spec("HPKV_VALKEY_TTL_SEC", "86400", "int", minimum=1, maximum=1 << 31),
+    "request_timeout": _Spec("HPKV_VALKEY_REQUEST_TIMEOUT", "5.0", "float", minimum=0, maximum=3600),
+    "connection_timeout": _Spec("HPKV_VALKEY_CONNECTION_TIMEOUT", "10.0", "float", minimum=0, maximum=3600),
 }
+
+_CHOICES: dict[str, tuple[str, ...]] = {"valkey_mode": ("standalone", "cluster")}
+REMOTE_SCHEMES = ("valkey", "redis", "valkeys", "rediss")
 
 # YAML / extra_config names that mean the same as a field (LMCache and the
 # lower-cased variable names). Values are (field, converter from their unit).
@@ -106,6 +124,29 @@ class HpkvConfig:
     storage_o_direct: bool = True
     # Chunks that may wait to be written to storage; beyond it a cascade write is dropped and counted.
     cascade_queue_chunks: int = 256
+    # The remote (Valkey/Redis) tier: valkey://host:port[,host:port...] (valkeys:// = TLS); None disables it.
+    remote_url: str | None = field(default=None, repr=False)
+    # Threads talking to Valkey, each with its own client.
+    valkey_num_workers: int = 8
+    # "standalone" (one server, optional database) or "cluster" (topology discovered from the URL's nodes).
+    valkey_mode: str = "standalone"
+    # Connect with TLS (also implied by a valkeys:// or rediss:// URL).
+    tls_enable: bool = False
+    # PEM file of the CA that signed the server's certificate (private CAs, self-signed); None: system CAs.
+    tls_ca_cert: str | None = None
+    # ACL user and password for the remote tier (None: default user / no AUTH).
+    valkey_username: str | None = None
+    valkey_password: str | None = field(default=None, repr=False)
+    # Logical database of a standalone server (ignored, with a warning, in cluster mode).
+    valkey_database: int | None = None
+    # Give every chunk an expiry, so a volatile-* maxmemory-policy can reclaim it.
+    valkey_enable_ttl: bool = False
+    # That expiry, in seconds.
+    valkey_ttl_sec: int = 86400
+    # Seconds one Valkey request may take before it counts as a miss.
+    request_timeout: float = 5.0
+    # Seconds to wait for a connection to the remote tier.
+    connection_timeout: float = 10.0
     # Which source set each field, for messages ("HPKV_CHUNK_SIZE", "chunk_size in cfg.yaml", ...).
     origins: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -122,6 +163,8 @@ class HpkvConfig:
             if f.name not in origins and value != f.default:
                 origins[f.name] = f.name  # passed as a keyword: name the keyword in later messages
         object.__setattr__(self, "origins", origins)
+        if self.remote_url is not None:
+            parse_remote_url(self.remote_url, self.where("remote_url"))
 
     # -- construction -----------------------------------------------------
 
@@ -231,6 +274,13 @@ def _merge(
     names = {f.name for f in dataclasses.fields(HpkvConfig)} - {"origins"}
     for key, raw in data.items():
         key_l = str(key).lower()
+        if key_l == "extra_config" and isinstance(raw, dict):
+            # LMCache's YAML nests the remote tier's settings under extra_config.
+            _merge(values, origins, raw, lambda k: describe(f"extra_config.{k}"))
+            continue
+        if key_l in _SEED_KEYS:
+            _check_seed_key(key_l, raw, describe(str(key)))
+            continue
         if key_l in names:
             target, value = key_l, raw
         elif key_l in _ALIASES:
@@ -254,6 +304,95 @@ def _merge(
         origins[target] = describe(str(key))
 
 
+# Keys of LMCache's Valkey connector that hpkv accepts for compatibility. hpkv
+# stores one fixed-length record per chunk with its metadata in the record's
+# header, so per-chunk metadata keys and partial chunks cannot be honoured.
+_SEED_KEYS = {
+    "save_chunk_meta",
+    "save_unfull_chunk",
+    "remote_serde",
+    "blocking_timeout_secs",
+    "pre_caching_hash_algorithm",
+}
+
+
+def _check_seed_key(key: str, raw: object, where: str) -> None:
+    if key in ("save_chunk_meta", "save_unfull_chunk"):
+        try:
+            on = parse_bool(raw)
+        except ValueError:
+            raise HpkvConfigError(f"{where}={raw!r} is not a boolean; use e.g. false") from None
+        if on:
+            raise HpkvConfigError(
+                f"{where}={raw!r} is not supported: hpkv stores one fixed-length record per full chunk "
+                "(one GET per chunk), with no separate chunk metadata and no partial chunks; use false"
+            )
+    elif key == "remote_serde" and str(raw).strip().lower() != "naive":
+        raise HpkvConfigError(f"{where}={raw!r} is not supported: records are stored raw; use naive")
+
+
+@dataclass(frozen=True)
+class RemoteURL:
+    """A parsed ``remote_url``: seed nodes, TLS, and credentials or database given in the URL."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool
+    username: str | None
+    password: str | None
+    database: int | None
+
+
+def parse_remote_url(url: str, where: str = "HPKV_REMOTE_URL") -> RemoteURL:
+    """Parse ``valkey://[user:password@]host:port[,host:port...][/db]`` (also redis://;
+    valkeys:// and rediss:// mean TLS). Raises :class:`HpkvConfigError` naming ``where``."""
+
+    def bad(why: str) -> HpkvConfigError:
+        shown = url
+        if "@" in url:  # never echo a password
+            scheme, _, rest = url.partition("://")
+            shown = f"{scheme}://***@{rest.rpartition('@')[2]}"
+        return HpkvConfigError(f"{where}={shown!r} {why}; use e.g. valkey://127.0.0.1:6379")
+
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in REMOTE_SCHEMES:
+        raise bad(f"must start with one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
+    netloc, _, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, _, pw = userinfo.partition(":")
+        username = urllib.parse.unquote(user) or None
+        password = urllib.parse.unquote(pw) or None
+    nodes: list[tuple[str, int]] = []
+    for part in netloc.split(","):
+        part = part.strip()
+        if not part:
+            raise bad("has an empty host")
+        host, colon, port_text = (
+            part.rpartition(":") if part.count(":") == 1 or "]" in part else (part, "", "")
+        )
+        if not colon:
+            host, port_text = part, "6379"
+        host = host.strip("[]")
+        if not host:
+            raise bad("has an empty host")
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise bad(f"has a bad port {port_text!r}") from None
+        if not 0 < port < 65536:
+            raise bad(f"has a port {port} outside 1..65535")
+        nodes.append((host, port))
+    database = None
+    path = path.split("?")[0].strip("/")
+    if path:
+        try:
+            database = int(path)
+        except ValueError:
+            raise bad(f"has a database {path!r} that is not a number") from None
+    return RemoteURL(tuple(nodes), scheme.lower().endswith("s"), username, password, database)
+
+
 def _unknown_message(what: str, valid: list[str], noun: str) -> str:
     name = what.split(" ")[0]
     close = difflib.get_close_matches(name, valid, n=1)
@@ -265,12 +404,14 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
     def bad(why: str) -> HpkvConfigError:
         return HpkvConfigError(f"{where}={raw!r} {why}; use e.g. {spec.example}")
 
+    if spec.kind == "optint" and (raw is None or (isinstance(raw, str) and raw.strip() == "")):
+        return None
     if spec.kind == "size":
         try:
             return parse_size(raw)
         except ValueError:
             raise bad("is not a size") from None
-    if spec.kind == "int":
+    if spec.kind in ("int", "optint"):
         if isinstance(raw, bool):
             raise bad("is not an integer")
         try:
@@ -282,6 +423,35 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
         if spec.maximum is not None and value > spec.maximum:
             raise bad(f"is above the maximum {spec.maximum}")
         return value
+    if spec.kind == "float":
+        if isinstance(raw, bool):
+            raise bad("is not a number")
+        try:
+            fvalue = float(str(raw).strip()) if not isinstance(raw, int | float) else float(raw)
+        except ValueError:
+            raise bad("is not a number") from None
+        if not math.isfinite(fvalue) or (spec.minimum is not None and fvalue <= spec.minimum):
+            raise bad(f"must be a number above {spec.minimum}")
+        if spec.maximum is not None and fvalue > spec.maximum:
+            raise bad(f"is above the maximum {spec.maximum}")
+        return fvalue
+    if spec.kind == "choice":
+        text = str(raw).strip().lower()
+        if text not in _CHOICES[name]:
+            raise bad(f"is not one of {', '.join(_CHOICES[name])}")
+        return text
+    if spec.kind == "url":
+        if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+            return None
+        if not isinstance(raw, str):
+            raise bad("is not a URL")
+        return raw.strip()
+    if spec.kind == "optstr":
+        if raw is None or raw == "":
+            return None
+        if not isinstance(raw, str | int) or isinstance(raw, bool):
+            raise HpkvConfigError(f"{where} is not a string; use e.g. {spec.example}")
+        return str(raw)
     if spec.kind == "bool":
         try:
             return parse_bool(raw)

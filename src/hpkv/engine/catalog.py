@@ -7,13 +7,18 @@ tier of each rank. Workers only copy between pool slots and the engine's KV.
 
 All slow tier I/O runs here on background threads:
 
-* **promote** (storage -> memory): before a storage hit is reported to the
+* **promote** (storage or valkey -> memory): before a storage hit is reported to the
   engine, its chunks are read into reserved slots and verified on every rank;
   a chunk that fails on any rank is simply not promoted, so a failure becomes
   a shorter hit, never bad data handed to a worker;
-* **cascade** (memory -> storage): a newly stored chunk is written from its
-  slot to each rank's storage through a bounded queue; when the queue is full
-  the write is dropped and counted, never blocking the scheduler.
+* **cascade** (memory -> storage, valkey): a newly stored chunk is written
+  from its slot to each rank's storage and valkey shard through a bounded
+  queue; when the queue is full the write is dropped and counted, never
+  blocking the scheduler.
+
+Valkey is the slowest tier: a chunk there is promoted (GET straight into the
+pool slot, verified) exactly like a storage chunk. Existence checks for a
+prompt are one pipelined round trip per rank.
 
 Thread-safety: public methods may be called from any thread; the slot index
 is guarded by one lock and no method holds it across I/O.
@@ -31,14 +36,18 @@ from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.core.stats import TierStats
+from hpkv.engine.cascade import WriteTarget
 from hpkv.tiers.disk import StorageTier
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
+from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
+from hpkv.tiers.valkey.workers import Priority
 
 log = logging.getLogger(__name__)
 
 MEMORY = "memory"
 STORAGE = "storage"
+VALKEY = "valkey"
 
 
 class Catalog:
@@ -56,6 +65,8 @@ class Catalog:
         self._mem_stats = TierStats()
         self.pools: list[ShmPool] = []
         self.storage: list[StorageTier] = []
+        self.valkey: list[ValkeyTier] = []
+        self._remote: ValkeyConnection | None = None
         num_slots = 0
         try:
             if config.mem_pool_size > 0:
@@ -91,6 +102,10 @@ class Catalog:
                             where=config.where("storage_path"),
                         )
                     )
+            remote = ValkeySettings.from_config(config)
+            if remote is not None:
+                self._remote = ValkeyConnection(remote)
+                self.valkey = [ValkeyTier(self._remote, self.payload_bytes, d) for d in self.rank_digests]
         except BaseException:
             for p in self.pools:
                 p.close()
@@ -98,11 +113,13 @@ class Catalog:
         self.num_slots = num_slots
         self._index = SlotIndex(num_slots)
         self._staging: dict[bytes, Future[bool]] = {}
-        self._io = ThreadPoolExecutor(config.storage_io_threads, thread_name_prefix="hpkv-promote")
+        # Promotions from valkey wait on the network: give them as many threads as valkey workers.
+        threads = max(config.storage_io_threads, config.valkey_num_workers if self.valkey else 0)
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-promote")
         self._cascade: queue.Queue[tuple[bytes, int] | None] = queue.Queue(
             maxsize=max(config.cascade_queue_chunks, 1)
         )
-        self._cascade_off = config.cascade_queue_chunks == 0 or not self.storage
+        self._cascade_off = config.cascade_queue_chunks == 0 or not (self.storage or self.valkey)
         self._cascade_thread = threading.Thread(target=self._run_cascade, name="hpkv-cascade", daemon=True)
         self._cascade_thread.start()
         self._closed = False
@@ -132,21 +149,37 @@ class Catalog:
             t.contains(self.record_key(r, lk)) for r, t in enumerate(self.storage)
         )
 
+    def in_valkey_many(self, lks: list[bytes]) -> list[bool]:
+        """Which of ``lks`` every rank's shard of is on the valkey tier (one pipelined round trip
+        per rank)."""
+        if not self.valkey or not lks:
+            return [False] * len(lks)
+        have = [True] * len(lks)
+        for r, t in enumerate(self.valkey):
+            got = t.contains_many([self.record_key(r, lk) for lk in lks])
+            have = [a and b for a, b in zip(have, got, strict=True)]
+        return have
+
     def where(self, lk: bytes) -> str | None:
-        if self.in_memory(lk):
-            return MEMORY
-        if self.in_storage(lk):
-            return STORAGE
-        return None
+        return self.locate([lk])[0]
 
     def locate(self, lks: Iterable[bytes]) -> list[str | None]:
-        """Per key the fastest tier that holds it; None from the first key no tier holds onwards."""
+        """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
+
+        Memory and storage are checked here; the keys they lack go to valkey in one batch."""
+        keys = list(lks)
         out: list[str | None] = []
-        stop = False
-        for lk in lks:
-            w = None if stop else self.where(lk)
-            stop = stop or w is None
-            out.append(w)
+        for lk in keys:
+            out.append(MEMORY if self.in_memory(lk) else STORAGE if self.in_storage(lk) else None)
+        rest = [i for i, w in enumerate(out) if w is None]
+        if rest and self.valkey:
+            # Only up to the first key nothing holds matters; ask for the local gaps before it too.
+            for i, ok in zip(rest, self.in_valkey_many([keys[i] for i in rest]), strict=True):
+                if ok:
+                    out[i] = VALKEY
+        if None in out:
+            cut = out.index(None)
+            out[cut:] = [None] * (len(out) - cut)
         return out
 
     # -- promotion (storage -> memory) -------------------------------------------------
@@ -159,7 +192,7 @@ class Catalog:
         be staged and the list is empty.
         """
         futures: list[Future[bool]] = []
-        if not self.pools or not self.storage:
+        if not self.pools or not (self.storage or self.valkey):
             return futures
         for lk in lks:
             with self._lock:
@@ -178,10 +211,8 @@ class Catalog:
             if slot is None:
                 return False
             off = slot * self.slot_bytes
-            for r, tier in enumerate(self.storage):
-                if not tier.read_into(
-                    self.record_key(r, lk), self.pools[r].view[off : off + self.slot_bytes]
-                ):
+            for r in range(self.world_size):
+                if not self._read_rank(r, lk, self.pools[r].view[off : off + self.slot_bytes]):
                     with self._lock:
                         self._index.abort(slot)
                     return False
@@ -195,6 +226,13 @@ class Catalog:
         finally:
             with self._lock:
                 self._staging.pop(lk, None)
+
+    def _read_rank(self, r: int, lk: bytes, buf: memoryview) -> bool:
+        """Rank ``r``'s verified record of ``lk`` into ``buf``, from storage, else valkey."""
+        rk = self.record_key(r, lk)
+        if self.storage and self.storage[r].contains(rk) and self.storage[r].read_into(rk, buf):
+            return True
+        return bool(self.valkey) and self.valkey[r].read_into(rk, buf, Priority.PREFETCH)
 
     # -- pins for loads ---------------------------------------------------------------
 
@@ -236,8 +274,8 @@ class Catalog:
 
     def commit(self, lk: bytes, slot: int) -> None:
         """The workers have filled and sealed ``slot`` for ``lk`` on every rank: make it visible,
-        and queue it for storage unless storage already holds it."""
-        cascade = not self._cascade_off and not self.in_storage(lk)
+        and queue it for the slower tiers (each skips a chunk it already holds)."""
+        cascade = not self._cascade_off and (bool(self.valkey) or not self.in_storage(lk))
         with self._lock:
             if not self._index.commit(slot, lk, keep_pin=cascade):
                 return
@@ -248,7 +286,7 @@ class Catalog:
                 self._cascade.put_nowait((lk, slot))
             except queue.Full:
                 self.unpin([slot])
-                for t in self.storage:
+                for t in self._slow_tiers():
                     t.count("writes_skipped")
 
     def abort(self, slot: int) -> None:
@@ -263,15 +301,24 @@ class Catalog:
                     return
                 lk, slot = item
                 off = slot * self.slot_bytes
-                for r, tier in enumerate(self.storage):
-                    try:
-                        tier.write(self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes])
-                    except Exception:
-                        log.exception("hpkv: cascade write failed")
-                        tier.count("errors")
+                for tiers in self._slow_by_rank():
+                    for r, tier in enumerate(tiers):
+                        try:
+                            tier.write(
+                                self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes]
+                            )
+                        except Exception:
+                            log.exception("hpkv: cascade write to %s failed", tier.name)
+                            tier.count("errors")
                 self.unpin([slot])
             finally:
                 self._cascade.task_done()
+
+    def _slow_by_rank(self) -> list[list[WriteTarget]]:
+        return [list(self.storage), list(self.valkey)]
+
+    def _slow_tiers(self) -> list[WriteTarget]:
+        return [t for tiers in self._slow_by_rank() for t in tiers]
 
     def flush(self) -> None:
         """Wait for every queued cascade write and every running promotion."""
@@ -284,7 +331,8 @@ class Catalog:
     # -- housekeeping --------------------------------------------------------------
 
     def clear(self, tiers: tuple[str, ...] = (MEMORY, STORAGE)) -> None:
-        """Forget chunks of the named tiers (pinned slots are freed when their copies finish)."""
+        """Forget chunks of the named tiers (pinned slots are freed when their copies finish).
+        Valkey is cleared only when named: it is shared with other engines."""
         if MEMORY in tiers:
             with self._lock:
                 self._index.clear()
@@ -292,6 +340,10 @@ class Catalog:
             self._cascade.join()
             for t in self.storage:
                 t.clear()
+        if VALKEY in tiers:
+            self._cascade.join()
+            for v in self.valkey:
+                v.clear()
 
     def stats(self) -> dict[str, dict[str, int]]:
         out: dict[str, dict[str, int]] = {}
@@ -311,6 +363,11 @@ class Catalog:
             agg["chunks"] = per_rank[0]["chunks"]
             agg["o_direct"] = per_rank[0]["o_direct"]
             out[STORAGE] = agg
+        if self.valkey:
+            per = [t.stats() for t in self.valkey]
+            vagg = {k: sum(s[k] for s in per) for k in per[0]}
+            vagg["connected"] = per[0]["connected"]
+            out[VALKEY] = vagg
         return out
 
     def check(self) -> None:
@@ -327,5 +384,7 @@ class Catalog:
         self._cascade.put(None)
         self._cascade_thread.join(timeout=30)
         self._io.shutdown(wait=True)
+        if self._remote is not None:
+            self._remote.close()
         for p in self.pools:
             p.close()

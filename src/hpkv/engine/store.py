@@ -1,10 +1,10 @@
 """KVStore: the tiered chunk store in one process (library users, tests, engines).
 
-Tiers, fastest first: memory pool -> storage. A lookup walks the chunks of a
-prompt in order, takes each from the fastest tier that holds it, and stops at
-the first chunk no tier holds; one prefix can come from several tiers. Reads
-from storage are promoted into memory. Writes go to memory synchronously and
-cascade to storage in the background.
+Tiers, fastest first: memory pool -> storage -> valkey. A lookup walks the
+chunks of a prompt in order, takes each from the fastest tier that holds it,
+and stops at the first chunk no tier holds; one prefix can come from several
+tiers. Reads from storage or valkey are promoted into memory. Writes go to
+memory synchronously and cascade to storage and valkey in the background.
 
 Thread-safety: every public method may be called from any thread.
 """
@@ -29,6 +29,7 @@ from hpkv.engine.cascade import Cascade, WriteTarget
 from hpkv.tiers.disk import StorageTier
 from hpkv.tiers.memory import MemoryTier, SlotRef
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
+from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
 
 # consume(chunk_index, payload) reads a verified payload (uint8, canonical layout);
 # produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep `payload`.
@@ -65,6 +66,8 @@ class KVStore:
 
         self.memory: MemoryTier | None = None
         self.storage: StorageTier | None = None
+        self.valkey: ValkeyTier | None = None
+        self._remote: ValkeyConnection | None = None
         try:
             if config.mem_pool_size > 0:
                 check_holds_a_chunk(
@@ -92,13 +95,18 @@ class KVStore:
                     o_direct=config.storage_o_direct,
                     where=config.where("storage_path"),
                 )
+            remote = ValkeySettings.from_config(config)
+            if remote is not None:
+                self._remote = ValkeyConnection(remote)
+                self.valkey = ValkeyTier(self._remote, self.payload_bytes, self._ns)
         except BaseException:
             if self.memory is not None:
                 self.memory.close()
             raise
-        targets: list[WriteTarget] = [self.storage] if self.storage is not None else []
+        targets: list[WriteTarget] = [t for t in (self.storage, self.valkey) if t is not None]
         self._cascade = Cascade(targets, self.memory, config.cascade_queue_chunks) if targets else None
-        self._io = ThreadPoolExecutor(config.storage_io_threads, thread_name_prefix="hpkv-io")
+        threads = max(config.storage_io_threads, config.valkey_num_workers if self.valkey else 0)
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io")
         self._scratch = threading.local()
         self._closed = False
 
@@ -113,15 +121,26 @@ class KVStore:
         return [t.name for t in self._tiers()]
 
     def locate_keys(self, keys: list[bytes]) -> list[str | None]:
-        """Per key, the fastest tier that holds it; None from the first key no tier holds onwards."""
-        out: list[str | None] = []
-        tiers = self._tiers()
-        for key in keys:
-            name = next((t.name for t in tiers if t.contains(key)), None)
-            if name is None:
+        """Per key, the fastest tier that holds it; None from the first key no tier holds onwards.
+
+        Each tier is asked once for the keys the faster tiers lack (valkey: one pipelined round trip)."""
+        out: list[str | None] = [None] * len(keys)
+        rest = list(range(len(keys)))
+        for t in self._tiers():
+            if not rest:
                 break
-            out.append(name)
-        return out + [None] * (len(keys) - len(out))
+            if isinstance(t, ValkeyTier):
+                have = t.contains_many([keys[i] for i in rest])
+            else:
+                have = [t.contains(keys[i]) for i in rest]
+            for i, h in zip(rest, have, strict=True):
+                if h:
+                    out[i] = t.name
+            rest = [i for i in rest if out[i] is None]
+        if None in out:
+            cut = out.index(None)
+            out[cut:] = [None] * (len(out) - cut)
+        return out
 
     def locate(self, tokens: Tokens) -> list[str | None]:
         """Per full chunk of ``tokens``: the tier that would serve it, or None (no tier, or after a gap)."""
@@ -129,12 +148,8 @@ class KVStore:
 
     def lookup(self, tokens: Tokens) -> int:
         """Tokens of the longest prefix of ``tokens`` that a mix of tiers holds (a multiple of chunk_size)."""
-        tiers = self._tiers()
-        n = 0
-        for key in self.keys(tokens):
-            if not any(t.contains(key) for t in tiers):
-                break
-            n += 1
+        located = self.locate_keys(self.keys(tokens))
+        n = located.index(None) if None in located else len(located)
         return n * self.chunk_size
 
     # -- reads -------------------------------------------------------------------
@@ -155,13 +170,13 @@ class KVStore:
             if tier is None:
                 break
             if tier != "memory":
-                futures[i] = self._io.submit(self._load_from_storage, i, key, consume)
+                futures[i] = self._io.submit(self._load_from_slow, i, key, consume)
         for i, (key, tier) in enumerate(zip(keys, located, strict=True)):
             if tier != "memory":
                 continue
             ok = self._load_from_memory(i, key, consume)
             if not ok:  # evicted since locate: fall back to storage
-                futures[i] = self._io.submit(self._load_from_storage, i, key, consume)
+                futures[i] = self._io.submit(self._load_from_slow, i, key, consume)
             else:
                 done[i] = True
         for i, fut in futures.items():
@@ -212,13 +227,19 @@ class KVStore:
             self.memory.release(ref)
         return True
 
-    def _load_from_storage(self, i: int, key: bytes, consume: Consume) -> bool:
-        if self.storage is None:
+    def _read_slow(self, key: bytes, buf: memoryview) -> bool:
+        """The verified record of ``key`` into ``buf``, from storage, else valkey."""
+        if self.storage is not None and self.storage.contains(key) and self.storage.read_into(key, buf):
+            return True
+        return self.valkey is not None and self.valkey.read_into(key, buf)
+
+    def _load_from_slow(self, i: int, key: bytes, consume: Consume) -> bool:
+        if self.storage is None and self.valkey is None:
             return False
         promo = self.memory.reserve(key) if self.memory is not None else None
         if promo is not None:
             assert self.memory is not None
-            if not self.storage.read_into(key, self.memory.slot_buffer(promo)):
+            if not self._read_slow(key, self.memory.slot_buffer(promo)):
                 self.memory.abort(promo)
                 return False
             try:
@@ -227,7 +248,7 @@ class KVStore:
                 self.memory.commit(promo, sealed=True)
             return True
         buf, tensor = self._scratch_buffer()
-        if not self.storage.read_into(key, buf):
+        if not self._read_slow(key, buf):
             return False
         consume(i, tensor[record.HEADER_BYTES : record.HEADER_BYTES + self.payload_bytes])
         return True
@@ -279,30 +300,30 @@ class KVStore:
         return self.store_chunks(self.keys(arr), produce) * C
 
     def _store_one(self, i: int, key: bytes, produce: Produce) -> bool:
-        need_storage = self.storage is not None and self._cascade is not None
+        slow = [t for t in (self.storage, self.valkey) if t is not None]
+        cascade = self._cascade if slow else None
         if self.memory is not None:
             if self.memory.contains(key):
-                if need_storage and not self.storage.contains(key):  # type: ignore[union-attr]
+                if cascade is not None and not all(t.contains(key) for t in slow):
                     held = self.memory.acquire(key, count=False)
                     if held is not None:
-                        self._cascade.submit(key, held)  # type: ignore[union-attr]
+                        cascade.submit(key, held)
                 return True
-            if need_storage and self.storage.contains(key):  # type: ignore[union-attr]
-                return True  # storage has it; a later hit promotes it
+            if cascade is not None and any(t.contains(key) for t in slow):
+                return True  # a slower tier has it; a later hit promotes it
             ref = self.memory.reserve(key)
             if ref is not None:
-                return self._fill_slot(i, ref, produce, need_storage)
-        if not need_storage:
+                return self._fill_slot(i, ref, produce, cascade is not None)
+        if cascade is None:
             return False
-        assert self.storage is not None and self._cascade is not None
-        if self.storage.contains(key):
+        if any(t.contains(key) for t in slow):
             return True
         buf = bytearray(self.record_bytes)
         payload = torch.frombuffer(buf, dtype=torch.uint8)[record.HEADER_BYTES :]
         produce(i, payload)
         del payload
         record.seal(memoryview(buf), self._ns, key, self.payload_bytes)
-        return self._cascade.submit(key, buf)
+        return cascade.submit(key, buf)
 
     def _fill_slot(self, i: int, ref: SlotRef, produce: Produce, cascade: bool) -> bool:
         assert self.memory is not None
@@ -325,7 +346,8 @@ class KVStore:
             self._cascade.flush()
 
     def clear(self, tiers: tuple[str, ...] = ("memory", "storage")) -> None:
-        """Drop every chunk from the named tiers (after pending writes land, so none reappears)."""
+        """Drop every chunk from the named tiers (after pending writes land, so none reappears).
+        ``"valkey"`` deletes this namespace's keys on the server (only when named: it is shared)."""
         self.flush()
         for t in self._tiers():
             if t.name in tiers:
@@ -353,6 +375,8 @@ class KVStore:
         self._io.shutdown(wait=True)
         for t in self._tiers():
             t.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def __enter__(self) -> KVStore:
         return self
@@ -363,4 +387,4 @@ class KVStore:
         self.close()
 
     def _tiers(self) -> list[Any]:
-        return [t for t in (self.memory, self.storage) if t is not None]
+        return [t for t in (self.memory, self.storage, self.valkey) if t is not None]

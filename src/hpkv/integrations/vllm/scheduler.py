@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
+from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.statsfile import StatsFile
 
@@ -130,8 +130,8 @@ class HpkvScheduler:
         if not st.staged:
             if not st.staging:
                 where = self.catalog.locate(lks[first:])
-                need = [lk for lk, w in zip(lks[first:], where, strict=True) if w == STORAGE]
-                st.tiers = {MEMORY: where.count(MEMORY), STORAGE: len(need)}
+                need = [lk for lk, w in zip(lks[first:], where, strict=True) if w in (STORAGE, VALKEY)]
+                st.tiers = {t: where.count(t) for t in (MEMORY, STORAGE, VALKEY)}
                 st.staging = self.catalog.stage(need)
                 st.staging_since = time.monotonic()
             if st.staging:
