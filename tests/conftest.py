@@ -98,3 +98,22 @@ def small_tmpfs(tmp_path: Any) -> Iterator[str | None]:
         yield str(mnt)
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# -- real valkey servers (one standalone server and one 3-primary cluster per session) --------
+
+
+@pytest.fixture(scope="session")
+def valkey_server() -> Iterator[Any]:
+    from hpkv.bench.valkey import ValkeyServers
+
+    with ValkeyServers() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster() -> Iterator[Any]:
+    from hpkv.bench.valkey import ValkeyServers
+
+    with ValkeyServers(cluster=3) as s:
+        yield s

@@ -83,6 +83,24 @@ def test_lmcache_names(tmp_path: Path) -> None:
         ("HPKV_STORAGE_IO_THREADS", "-3", "4"),
         ("HPKV_STORAGE_O_DIRECT", "maybe", "true"),
         ("HPKV_SHARE_MEM_FILE_PATH", "", "/dev/shm/hpkv"),
+        ("HPKV_REMOTE_URL", "http://cache:6379", "valkey://127.0.0.1:6379"),
+        ("HPKV_REMOTE_URL", "valkey://cache:0", "valkey://127.0.0.1:6379"),
+        ("HPKV_REMOTE_URL", "valkey://cache:port", "valkey://127.0.0.1:6379"),
+        ("HPKV_REMOTE_URL", "valkey://a:1,,b:2", "valkey://127.0.0.1:6379"),
+        ("HPKV_REMOTE_URL", "valkey://cache:6379/zero", "valkey://127.0.0.1:6379"),
+        ("HPKV_VALKEY_NUM_WORKERS", "0", "8"),
+        ("HPKV_VALKEY_NUM_WORKERS", "eight", "8"),
+        ("HPKV_VALKEY_MODE", "sharded", "cluster"),
+        ("HPKV_VALKEY_TLS_ENABLE", "sometimes", "true"),
+        ("HPKV_VALKEY_DATABASE", "-1", "0"),
+        ("HPKV_VALKEY_DATABASE", "first", "0"),
+        ("HPKV_VALKEY_ENABLE_TTL", "2", "true"),
+        ("HPKV_VALKEY_TTL_SEC", "0", "86400"),
+        ("HPKV_VALKEY_TTL_SEC", "1.5", "86400"),
+        ("HPKV_VALKEY_REQUEST_TIMEOUT", "0", "5.0"),
+        ("HPKV_VALKEY_REQUEST_TIMEOUT", "soon", "5.0"),
+        ("HPKV_VALKEY_REQUEST_TIMEOUT", "nan", "5.0"),
+        ("HPKV_VALKEY_CONNECTION_TIMEOUT", "-2", "10.0"),
     ],
 )
 def test_bad_env_values_name_the_variable(
@@ -141,3 +159,49 @@ def test_config_is_frozen() -> None:
 def test_config_error_is_a_value_error() -> None:
     with pytest.raises(ValueError):
         HpkvConfig(chunk_size=-5)
+
+
+def test_seed_valkey_yaml_with_extra_config(tmp_path: Path) -> None:
+    """The seed's LMCache YAML, extra_config block included, configures the valkey tier."""
+    y = tmp_path / "valkey.yaml"
+    y.write_text(
+        "chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 5.0\n"
+        "remote_url: valkey://cluster-endpoint:6379\nremote_serde: naive\nblocking_timeout_secs: 120\n"
+        "pre_caching_hash_algorithm: sha256_cbor_64bit\n"
+        "extra_config:\n  valkey_num_workers: 32\n  valkey_mode: cluster\n  tls_enable: true\n"
+        "  valkey_enable_ttl: true\n  valkey_ttl_sec: 3600\n  request_timeout: 2.5\n"
+    )
+    c = HpkvConfig.from_yaml(str(y))
+    assert c.remote_url == "valkey://cluster-endpoint:6379"
+    assert (c.valkey_num_workers, c.valkey_mode, c.tls_enable) == (32, "cluster", True)
+    assert (c.valkey_enable_ttl, c.valkey_ttl_sec, c.request_timeout) == (True, 3600, 2.5)
+    assert c.mem_pool_size == 5 << 30
+    y.write_text("extra_config:\n  valkey_mode: shard\n")
+    with pytest.raises(HpkvConfigError, match=r"extra_config.valkey_mode.*'shard'.*cluster"):
+        HpkvConfig.from_yaml(str(y))
+
+
+@pytest.mark.parametrize("key", ["save_chunk_meta", "save_unfull_chunk"])
+def test_seed_rejects_chunk_meta_and_unfull_chunks(key: str) -> None:
+    HpkvConfig.load({key: False}, env={})
+    with pytest.raises(ValueError, match=f"{key}.*use false"):
+        HpkvConfig.load({key: True}, env={})
+
+
+def test_remote_serde_only_naive() -> None:
+    HpkvConfig.load({"remote_serde": "naive"}, env={})
+    with pytest.raises(HpkvConfigError, match=r"remote_serde.*'cbor'.*naive"):
+        HpkvConfig.load({"remote_serde": "cbor"}, env={})
+
+
+def test_remote_url_forms_and_no_password_echo() -> None:
+    from hpkv.core.config import parse_remote_url
+
+    u = parse_remote_url("rediss://alice:p%40ss@h1:7000,h2:7001/3")
+    assert u.nodes == (("h1", 7000), ("h2", 7001)) and u.tls
+    assert (u.username, u.password, u.database) == ("alice", "p@ss", 3)
+    assert parse_remote_url("valkey://cache").nodes == (("cache", 6379),)
+    with pytest.raises(HpkvConfigError) as e:
+        HpkvConfig.load({"remote_url": "valkey://alice:topsecret@h:99999"}, env={})
+    assert "topsecret" not in str(e.value) and "99999" in str(e.value)
+    assert "topsecret" not in repr(HpkvConfig.load({"remote_url": "valkey://a:topsecret@h:1"}, env={}))

@@ -163,6 +163,10 @@ class Catalog:
     def where(self, lk: bytes) -> str | None:
         return self.locate([lk])[0]
 
+    def locate_local(self, lks: Iterable[bytes]) -> list[str | None]:
+        """Per key memory, storage or None, without asking valkey and without cutting at a gap."""
+        return [MEMORY if self.in_memory(lk) else STORAGE if self.in_storage(lk) else None for lk in lks]
+
     def locate(self, lks: Iterable[bytes]) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
 

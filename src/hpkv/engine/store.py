@@ -120,15 +120,18 @@ class KVStore:
     def tier_names(self) -> list[str]:
         return [t.name for t in self._tiers()]
 
-    def locate_keys(self, keys: list[bytes]) -> list[str | None]:
+    def locate_keys(self, keys: list[bytes], remote: bool = True) -> list[str | None]:
         """Per key, the fastest tier that holds it; None from the first key no tier holds onwards.
 
-        Each tier is asked once for the keys the faster tiers lack (valkey: one pipelined round trip)."""
+        Each tier is asked once for the keys the faster tiers lack (valkey: one pipelined round
+        trip). ``remote=False``: local tiers only, and no cut at the first gap."""
         out: list[str | None] = [None] * len(keys)
         rest = list(range(len(keys)))
         for t in self._tiers():
             if not rest:
                 break
+            if not remote and isinstance(t, ValkeyTier):
+                return out
             if isinstance(t, ValkeyTier):
                 have = t.contains_many([keys[i] for i in rest])
             else:
@@ -164,10 +167,11 @@ class KVStore:
         """
         futures: dict[int, Future[bool]] = {}
         done: dict[int, bool] = {}
-        # Start the slow reads first so they overlap with the memory copies.
-        located = self.locate_keys(keys)
+        # Start the slow reads first so they overlap with the memory copies. Valkey is not
+        # asked whether it holds a chunk: the GET itself answers (one request per chunk).
+        located = self.locate_keys(keys, remote=False)
         for i, (key, tier) in enumerate(zip(keys, located, strict=True)):
-            if tier is None:
+            if tier is None and self.valkey is None:
                 break
             if tier != "memory":
                 futures[i] = self._io.submit(self._load_from_slow, i, key, consume)

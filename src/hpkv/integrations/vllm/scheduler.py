@@ -52,6 +52,7 @@ class _Req:
     staging_since: float = 0.0
     staged: bool = False
     tiers: dict[str, int] = field(default_factory=dict)
+    remote_candidates: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -129,9 +130,16 @@ class HpkvScheduler:
         lks = st.lks
         if not st.staged:
             if not st.staging:
-                where = self.catalog.locate(lks[first:])
-                need = [lk for lk, w in zip(lks[first:], where, strict=True) if w in (STORAGE, VALKEY)]
-                st.tiers = {t: where.count(t) for t in (MEMORY, STORAGE, VALKEY)}
+                # Valkey is not asked whether it holds the chunks local tiers lack: promoting
+                # them (one GET each, straight into a pool slot) answers that and fetches the data,
+                # so a remote hit costs exactly one request per chunk and rank.
+                where = self.catalog.locate_local(lks[first:])
+                if not self.catalog.valkey:
+                    cut = where.index(None) if None in where else len(where)
+                    where = where[:cut]
+                need = [lk for lk, w in zip(lks[first:], where, strict=False) if w != MEMORY]
+                st.tiers = {MEMORY: where.count(MEMORY), STORAGE: where.count(STORAGE)}
+                st.remote_candidates = [lk for lk, w in zip(lks[first:], where, strict=False) if w is None]
                 st.staging = self.catalog.stage(need)
                 st.staging_since = time.monotonic()
             if st.staging:
@@ -140,6 +148,9 @@ class HpkvScheduler:
                     return None, False
             st.staged = True
             st.staging = []
+            if st.remote_candidates:
+                st.tiers[VALKEY] = sum(self.catalog.in_memory(lk) for lk in st.remote_candidates)
+                st.remote_candidates = []
         self._counters["lookups"] += 1
         slots = self.catalog.pin(lks[first:])
         hit = (first + len(slots)) * C

@@ -23,11 +23,23 @@ INSTALL_HINT = (
 
 def glide() -> Any:
     """The ``glide_sync`` module, or a configuration error that says how to install it."""
+    global _logger_set
     try:
         import glide_sync
     except ImportError:
         raise HpkvConfigError(INSTALL_HINT) from None
+    if not _logger_set:
+        # GLIDE's core logs every timeout and reconnect attempt at WARN to stdout; hpkv reports
+        # the tier's health itself (one rate-limited line), so keep GLIDE to errors.
+        _logger_set = True
+        try:
+            glide_sync.Logger.set_logger_config(glide_sync.LogLevel.ERROR)
+        except Exception:
+            log.debug("hpkv: could not set GLIDE's log level", exc_info=True)
     return glide_sync
+
+
+_logger_set = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +57,7 @@ class ValkeySettings:
     request_timeout: float = 5.0
     connection_timeout: float = 10.0
     num_workers: int = 8
+    auth_where: str = "valkey_password"  # how to name the credentials in an error
 
     @classmethod
     def from_config(cls, config: HpkvConfig) -> ValkeySettings | None:
@@ -92,6 +105,11 @@ class ValkeySettings:
             request_timeout=config.request_timeout,
             connection_timeout=config.connection_timeout,
             num_workers=config.valkey_num_workers,
+            auth_where=(
+                f"{config.where('valkey_username')} / {config.where('valkey_password')}"
+                if config.valkey_password
+                else config.where("remote_url")
+            ),
         )
 
     def describe(self) -> str:

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from enum import IntEnum
 from typing import Any, TypeVar
 
+from hpkv.core.errors import HpkvConfigError
 from hpkv.tiers.valkey.client import ValkeySettings, connect, glide
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ Job = Callable[[Any], T]
 _RETRY_FIRST_S = 0.25
 _RETRY_MAX_S = 5.0
 _WARN_EVERY_S = 30.0
+_AUTH_ERRORS = ("WRONGPASS", "NOAUTH", "NOPERM", "invalid username-password")
 
 
 class Priority(IntEnum):
@@ -89,6 +91,14 @@ class WorkerPool:
         try:
             self._probe()
         except Exception as e:
+            text = str(e)
+            if any(m in text for m in _AUTH_ERRORS):
+                # Wrong credentials will not heal by retrying: refuse to start, naming the setting.
+                raise HpkvConfigError(
+                    f"{self.settings.auth_where}: the valkey tier at {self.settings.describe()} refused "
+                    f"the credentials ({text.split(': ', 1)[-1].strip()}); use the ACL user and password "
+                    "that server knows, e.g. valkey_username: hpkv, valkey_password: s3cret"
+                ) from None
             self._mark_down(e, starting=True)
             return False
         self._up.set()
