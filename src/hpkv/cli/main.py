@@ -46,9 +46,18 @@ def _main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("clear", help="delete every chunk in a storage directory")
     c.add_argument("--storage", default=None, help="storage directory (default: HPKV_KV_STORAGE_PATH)")
 
-    b = sub.add_parser("bench", help="benchmarks: tiers, ttft")
-    b.add_argument("which", choices=["tiers", "ttft"])
+    b = sub.add_parser("bench", help="benchmarks: tiers, valkey, l2, ttft")
+    b.add_argument("which", choices=["tiers", "valkey", "l2", "ttft"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
+
+    v = sub.add_parser("valkey", help="run real valkey-server processes on loopback (for trying hpkv)")
+    v.add_argument("action", choices=["start"])
+    v.add_argument(
+        "--cluster", type=int, default=0, help="N primaries with the slots split (default: standalone)"
+    )
+    v.add_argument("--port", type=int, default=None, help="first port (default: a free one)")
+    v.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
+    v.add_argument("--maxmemory", default=None, help="per server, e.g. 4gb (with volatile-lru eviction)")
 
     a = ap.parse_args(argv)
     a.vllm_args = vllm_args
@@ -66,11 +75,21 @@ def _main(argv: list[str] | None = None) -> int:
         return _stats(a.dir, a.json)
     if a.cmd == "clear":
         return _clear(a.storage)
+    if a.cmd == "valkey":
+        return _valkey_start(a.cluster, a.port, a.dir, a.maxmemory)
     if a.cmd == "bench":
         if a.which == "tiers":
             from hpkv.bench.tiers import main as tiers_main
 
             return tiers_main(a.rest)
+        if a.which == "valkey":
+            from hpkv.bench.valkey_tier import main as valkey_main
+
+            return valkey_main(a.rest)
+        if a.which == "l2":
+            from hpkv.bench.l2 import main as l2_main
+
+            return l2_main(a.rest)
         from hpkv.bench.ttft import main as ttft_main
 
         return ttft_main(a.rest)
@@ -100,6 +119,32 @@ def _stats(directory: str | None, as_json: bool) -> int:
                 f"evictions {v['evictions']}  errors {v['errors']}"
             )
         print("  connector", " ".join(f"{k}={v}" for k, v in doc.get("connector", {}).items()))
+    return 0
+
+
+def _valkey_start(cluster: int, port: int | None, directory: str | None, maxmemory: str | None) -> int:
+    import signal
+    import threading
+
+    from hpkv.bench.valkey import ValkeyServers
+
+    servers = ValkeyServers(cluster=cluster, port=port, directory=directory, maxmemory=maxmemory).start()
+    kind = f"a cluster of {cluster} primaries" if cluster else "a standalone server"
+    print(f"valkey: {kind} on {servers.url}", flush=True)
+    print(
+        f"  use it: export HPKV_REMOTE_URL={servers.url}" + (" HPKV_VALKEY_MODE=cluster" if cluster else "")
+    )
+    print("  Ctrl-C stops it (nothing is persisted)", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    try:
+        while not done.wait(1.0):
+            if any(n.proc is None or n.proc.poll() is not None for n in servers.nodes):
+                print("valkey: a server exited", file=sys.stderr)
+                return 1
+    finally:
+        servers.stop()
     return 0
 
 
