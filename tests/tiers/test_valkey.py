@@ -275,3 +275,43 @@ def test_tier_reads_into_the_callers_buffer(valkey_server: ValkeyServers) -> Non
         assert tier.delete(b"K" * 16) and not tier.contains(b"K" * 16)
     finally:
         conn.close()
+
+
+def test_cluster_mode_ignores_a_database_with_a_warning(
+    make_store: StoreFactory, valkey_cluster: ValkeyServers, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = make_store(model_id="db", **remote(valkey_cluster, valkey_database=3))
+    assert "valkey_database=3 is ignored in cluster mode" in caplog.text
+    assert s.stats()["valkey"]["connected"] == 1
+
+
+def test_cli_valkey_start_serves_until_terminated(tmp_path: Any) -> None:
+    import signal
+    import subprocess
+
+    from hpkv.bench.valkey import Resp
+
+    port = free_port()
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hpkv.cli.main",
+            "valkey",
+            "start",
+            "--port",
+            str(port),
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert f"valkey://127.0.0.1:{port}" in line
+        assert Resp(port).command("PING") == "PONG"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0

@@ -178,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
 
             shm = tempfile.mkdtemp(prefix="hpkv-l2-", dir="/dev/shm")
             per_prompt = kv_bytes_per_token(model) * meta["tokens"]
-            pool = args.pool_size or f"{max(2 * per_prompt, 64 << 20) >> 20}M"
+            # Room for two prompts: the L2 request fits whole, and three floods evict the test prompt.
+            pool = args.pool_size or f"{max(2 * per_prompt + (4 << 20), 8 << 20) >> 20}M"
             env = dict(os.environ)
             for k in [k for k in env if k.startswith("HPKV_")]:
                 del env[k]
@@ -236,12 +237,16 @@ def run(args: argparse.Namespace) -> int:
         for i, f in enumerate(floods):
             t, _ = engine.complete(f)
             print(f"   flood {i + 1}: {t:.3f} s", flush=True)
+        if embedded:  # let the floods' writes finish, so their pool slots are free again
+            _wait_written(engine, (1 + len(floods)) * chunks * ranks)
         engine.reset_prefix_cache()  # the engine's own prefix cache must not serve the test prompt
         before = primaries.keyspace_hits()
         st0 = engine.hpkv_stats() if embedded else {}
         print("5. the test prompt again", flush=True)
         l2, _ = engine.complete(test)
         delta = primaries.keyspace_hits() - before
+        if embedded:
+            time.sleep(1.0)  # the engine refreshes its counters file twice a second
         st1 = engine.hpkv_stats() if embedded else {}
         expect = chunks * ranks
         print()
@@ -317,6 +322,8 @@ def _causes(delta: int, expect: int) -> list[str]:
             "only part of the prompt came from valkey: some chunks were still in memory, or were never "
             "written (cascade queue full: see writes_skipped in `hpkv stats`) or were evicted by the server "
             "(maxmemory)",
+            "the memory tier could not hold the whole prompt while other writes were in flight (every "
+            "remote hit is staged through it): raise HPKV_KV_MEM_POOL_SIZE",
         ]
     return [
         "more GETs than chunks: another client used these servers during the run, or --ranks is wrong",
