@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-unit test-e2e lint demo bench-tiers bench-valkey tls-server clean
+.PHONY: venv test test-unit test-e2e test-gpu lint demo bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -48,6 +48,13 @@ bench-tiers: $(STAMP)
 
 bench-valkey: $(STAMP)
 	$(BIN)/hpkv bench valkey
+
+# On a machine with an NVIDIA GPU and a CUDA build of torch (the CPU CI skips tests/gpu's CUDA cases):
+test-gpu:
+	PYTHONPATH=src python3 -m pytest -q tests/gpu
+
+bench-gpu:
+	PYTHONPATH=src python3 -m hpkv.bench.gpu
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache

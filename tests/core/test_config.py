@@ -101,6 +101,7 @@ def test_lmcache_names(tmp_path: Path) -> None:
         ("HPKV_VALKEY_REQUEST_TIMEOUT", "soon", "5.0"),
         ("HPKV_VALKEY_REQUEST_TIMEOUT", "nan", "5.0"),
         ("HPKV_VALKEY_CONNECTION_TIMEOUT", "-2", "10.0"),
+        ("HPKV_LAYERWISE_LOAD", "sometimes", "true"),
     ],
 )
 def test_bad_env_values_name_the_variable(

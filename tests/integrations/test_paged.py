@@ -116,3 +116,39 @@ def test_mla_single_latent() -> None:
     paged.gather(payload, [1, 3, 5, 7])
     canon = payload.view(torch.bfloat16).view(layout.chunk_shape(chunk))
     assert torch.equal(canon[1, 0, :, 0], caches[1][[1, 3, 5, 7], 0].reshape(chunk, c))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bs", [16, 64])
+def test_batched_forms_match_the_per_chunk_copies(kind: str, bs: int) -> None:
+    """scatter_many / scatter_layer / gather_many (the CUDA mover's batched copies) equal the
+    per-chunk scatter / gather, here on CPU tensors with the same layouts."""
+    chunk, dtype = 128, torch.bfloat16
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype)
+    backend = "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN"
+    g = torch.Generator().manual_seed(11)
+    a_caches, b_caches = make_caches(kind, bs, dtype), make_caches(kind, bs, dtype)
+    for a, b in zip(a_caches, b_caches, strict=True):
+        a.copy_(torch.randn(a.shape, generator=g).to(dtype))
+        b.copy_(a)
+    a, b = PagedKV(a_caches, bs, layout, backend), PagedKV(b_caches, bs, layout, backend)
+    per = chunk // bs
+    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    src = [perm[i * per : (i + 1) * per] for i in range(2)]
+    dst = [perm[(2 + i) * per : (3 + i) * per] for i in range(2)]
+    nbytes = layout.chunk_bytes(chunk)
+    buf = torch.empty(2, nbytes, dtype=torch.uint8)
+    a.gather_many(buf, src)
+    for i in range(2):
+        one = torch.empty(nbytes, dtype=torch.uint8)
+        a.gather(one, src[i])
+        assert torch.equal(buf[i], one)
+    specs = [(dst[0], 0, chunk), (dst[1], bs, chunk - bs - 3)]
+    a.scatter_many(buf, specs)
+    for i, (blocks, first, count) in enumerate(specs):
+        b.scatter(buf[i], blocks, first, count)
+    assert all(torch.equal(x, y) for x, y in zip(a_caches, b_caches, strict=True))
+    per_layer = nbytes // L
+    for li in range(L):  # layer by layer gives the same result
+        a.scatter_layer(li, buf[:, li * per_layer : (li + 1) * per_layer].contiguous(), specs)
+    assert all(torch.equal(x, y) for x, y in zip(a_caches, b_caches, strict=True))

@@ -56,6 +56,7 @@ _SPECS: dict[str, _Spec] = {
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
+    "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
     "remote_url": _Spec("HPKV_REMOTE_URL", "valkey://127.0.0.1:6379", "url"),
     "valkey_num_workers": _Spec("HPKV_VALKEY_NUM_WORKERS", "8", "int", minimum=1, maximum=256),
     "valkey_mode": _Spec("HPKV_VALKEY_MODE", "cluster", "choice"),
@@ -124,6 +125,8 @@ class HpkvConfig:
     storage_o_direct: bool = True
     # Chunks that may wait to be written to storage; beyond it a cascade write is dropped and counted.
     cascade_queue_chunks: int = 256
+    # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.
+    layerwise_load: bool = False
     # The remote (Valkey/Redis) tier: valkey://host:port[,host:port...] (valkeys:// = TLS); None disables it.
     remote_url: str | None = field(default=None, repr=False)
     # Threads talking to Valkey, each with its own client.

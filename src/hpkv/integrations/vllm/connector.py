@@ -97,7 +97,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 self.config.chunk_size,
                 self.block_size,
                 _backend_name(vllm_config, self.layer_names),
+                layerwise=self.config.layerwise_load,
             )
+            self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
 
     # -- worker side --------------------------------------------------------------------
 
@@ -114,7 +116,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return
+        # CUDA with layerwise_load: the compute stream waits for this layer's copies only.
+        if self._worker is not None:
+            i = self._layer_index.get(layer_name)
+            if i is not None:
+                self._worker.wait_layer(i)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any

@@ -21,8 +21,9 @@ many tiny copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -50,6 +51,17 @@ class PagedKV:
         if len(self.layers) != layout.num_layers:
             raise ValueError(f"{len(self.layers)} KV tensors for a layout of {layout.num_layers} layers")
         self.device = caches[0].device
+        # CUDA: one-launch Triton copies where the layers share strides (see kernels.py).
+        self.use_kernels = False
+        self._tables: Any = None
+        if self.device.type == "cuda":
+            from hpkv.integrations.vllm import kernels
+
+            if kernels.available():
+                whole = kernels.PartTable([p for v in self.layers for p in v.parts])
+                if whole.ok:
+                    self.use_kernels = True
+                    self._tables = (whole, [kernels.PartTable(list(v.parts)) for v in self.layers])
 
     def _views(self, t: torch.Tensor) -> LayerViews:
         L = self.layout
@@ -119,6 +131,111 @@ class PagedKV:
                 if tail:
                     start = first + full * bs
                     part[block_ids[b0 + full], :tail].copy_(s[start : start + tail], non_blocking=True)
+
+    # -- batched forms (the CUDA mover): one indexed copy per layer and K/V for many chunks ------
+
+    def plan(self, specs: Sequence[Spec]) -> _Plan:
+        """Index tensors for :meth:`scatter_many` / :meth:`scatter_layer` (build once, reuse per layer)."""
+        return _Plan(specs, self.block_size, self.device)
+
+    def scatter_many(self, buf: torch.Tensor, specs: Sequence[Spec], plan: _Plan | None = None) -> None:
+        """Scatter the chunk payloads in ``buf`` (``[items, payload bytes]``, uint8, canonical, on the
+        KV's device) into the paged KV; ``specs[i] = (block_ids, first, count)`` as in :meth:`scatter`."""
+        L, bs = self.layout, self.block_size
+        nb = len(specs[0][0])
+        plan = plan or self.plan(specs)
+        if self.use_kernels:
+            from hpkv.integrations.vllm import kernels
+
+            kernels.scatter(self._tables[0], buf, plan, nb * bs, bs, L.num_kv_heads, L.head_dim)
+            if not plan.tails:
+                return
+            plan = plan.tails_only()
+        src = buf.view(L.dtype).view(buf.shape[0], L.num_layers, L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
+        self._scatter_parts(plan, lambda li, ki: src[:, li, ki], range(L.num_layers))
+
+    def scatter_layer(
+        self, li: int, buf: torch.Tensor, specs: Sequence[Spec], plan: _Plan | None = None
+    ) -> None:
+        """Scatter layer ``li`` only: ``buf[i]`` holds that layer's ``[K,V][token][head][dim]`` of chunk i."""
+        L, bs = self.layout, self.block_size
+        nb = len(specs[0][0])
+        plan = plan or self.plan(specs)
+        if self.use_kernels:
+            from hpkv.integrations.vllm import kernels
+
+            kernels.scatter(self._tables[1][li], buf, plan, nb * bs, bs, L.num_kv_heads, L.head_dim)
+            if not plan.tails:
+                return
+            plan = plan.tails_only()
+        src = buf.view(L.dtype).view(buf.shape[0], L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
+        self._scatter_parts(plan, lambda _li, ki: src[:, ki], [li])
+
+    def _scatter_parts(
+        self, plan: _Plan, source: Callable[[int, int], torch.Tensor], layers: Iterable[int]
+    ) -> None:
+        for li in layers:
+            for ki, part in enumerate(self.layers[li].parts):
+                s = source(li, ki)  # [items, blocks in chunk, bs, heads, dim]
+                if plan.n:
+                    part.index_put_((plan.dest,), s[plan.items, plan.in_chunk])
+                for item, block, tok, n in plan.tails:
+                    flat = s[item].flatten(0, 1)
+                    part[block, :n].copy_(flat[tok : tok + n])
+
+    def gather_many(self, buf: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> None:
+        """Gather whole chunks from the paged KV into ``buf`` (``[items, payload bytes]``, canonical)."""
+        L, bs = self.layout, self.block_size
+        nb = len(block_ids[0])
+        idx = torch.as_tensor([list(b) for b in block_ids], dtype=torch.long).to(
+            self.device, non_blocking=True
+        )
+        dst = buf.view(L.dtype).view(buf.shape[0], L.num_layers, L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
+        for li, views in enumerate(self.layers):
+            for ki, part in enumerate(views.parts):
+                dst[:, li, ki].copy_(part[idx])
+
+
+Spec = tuple[Sequence[int], int, int]  # (block_ids, first, count)
+
+
+class _Plan:
+    """Where the whole blocks of several chunks go: per block (item, block in chunk, destination);
+    and the partial blocks at the ends (item, destination block, chunk token, tokens)."""
+
+    def __init__(self, specs: Sequence[Spec], bs: int, device: torch.device) -> None:
+        items: list[int] = []
+        in_chunk: list[int] = []
+        dest: list[int] = []
+        self.tails: list[tuple[int, int, int, int]] = []
+        for i, (block_ids, first, count) in enumerate(specs):
+            b0, full = first // bs, count // bs
+            for b in range(b0, b0 + full):
+                items.append(i)
+                in_chunk.append(b)
+                dest.append(block_ids[b])
+            if count - full * bs:
+                self.tails.append((i, block_ids[b0 + full], first + full * bs, count - full * bs))
+        self.n = len(dest)
+        self.device = device
+        self.items = _to_device(items, device)
+        self.in_chunk = _to_device(in_chunk, device)
+        self.dest = _to_device(dest, device)
+
+    def tails_only(self) -> _Plan:
+        """The same partial blocks, no whole ones (after a kernel moved those)."""
+        out = _Plan([], 1, self.device)
+        out.tails = self.tails
+        return out
+
+
+def _to_device(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """An index tensor on ``device``. On CUDA it goes through page-locked memory: a copy from
+    pageable memory would block the host until the stream reached it, stalling the pipeline."""
+    t = torch.as_tensor(values, dtype=torch.long)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def _as_rows(t: torch.Tensor, bs: int, d: int) -> torch.Tensor:

@@ -5,14 +5,19 @@ scheduler created (one per rank), checks each record header before copying
 (right rank, right chunk, right layout), and reports what it did through the
 connector's worker metadata. No tier I/O happens here.
 
-Ordering: loads run in ``start_load_kv`` before the forward pass; stores run
-in ``wait_for_save`` after it, in the same step, so the engine cannot free or
-reuse a block before its store has copied it out.
+Ordering: loads are issued in ``start_load_kv`` before the forward pass;
+stores in ``wait_for_save`` after it, in the same step, so the engine cannot
+free or reuse a block before its store has copied it out. The copies go
+through the :class:`Mover`: synchronous on CPU; on CUDA ordered by stream
+events (see mover.py), with loads reported done only once they landed and
+stores sealed and reported by the mover's thread once the device->host copy
+is complete.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -20,6 +25,7 @@ import torch
 from hpkv.core import record
 from hpkv.core.keys import Namespace, record_key
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
+from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem
 from hpkv.integrations.vllm.paged import PagedKV
 from hpkv.tiers.memory.pool import PAGE, ShmPool
 
@@ -27,7 +33,9 @@ log = logging.getLogger("hpkv")
 
 
 class HpkvWorker:
-    def __init__(self, namespace: Namespace, chunk_size: int, block_size: int, backend: str) -> None:
+    def __init__(
+        self, namespace: Namespace, chunk_size: int, block_size: int, backend: str, layerwise: bool = False
+    ) -> None:
         self.ns = namespace
         self.rank = namespace.rank
         self.rank_digest = namespace.digest
@@ -38,6 +46,9 @@ class HpkvWorker:
         self.record_bytes = record.record_bytes(self.payload_bytes)
         self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
         self.paged: PagedKV | None = None
+        self.mover: Mover | None = None
+        self.layerwise = layerwise
+        self._lock = threading.Lock()  # results are also written by the mover's completion thread
         self.pool: ShmPool | None = None
         self._pool_path = ""
         self._results: dict[int, tuple[int, int]] = {}
@@ -45,6 +56,7 @@ class HpkvWorker:
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
         self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
+        self.mover = Mover(self.paged, layerwise=self.layerwise)
 
     def _attach(self, meta: HpkvMeta) -> ShmPool | None:
         if not meta.pool_paths:
@@ -55,6 +67,8 @@ class HpkvWorker:
                 self.pool.close()
             self.pool = ShmPool.attach(path, meta.pool_size)
             self._pool_path = path
+            if self.mover is not None:
+                self.mover.attach_pool(self.pool.tensor)
         return self.pool
 
     def _slot(self, pool: ShmPool, slot: int) -> tuple[memoryview, torch.Tensor]:
@@ -69,13 +83,21 @@ class HpkvWorker:
         if not meta.loads:
             return
         pool = self._attach(meta)
-        assert self.paged is not None and pool is not None
-        for req in meta.loads:
-            self._load_one(pool, req)
-
-    def _load_one(self, pool: ShmPool, req: LoadRequest) -> None:
-        assert self.paged is not None
+        assert self.mover is not None and pool is not None
+        items: list[LoadItem] = []
+        logs = []
         t0 = time.perf_counter()
+        for req in meta.loads:
+            loaded = self._plan_load(pool, req, items)
+            logs.append((req, loaded))
+        self.mover.load(items)
+        dt = time.perf_counter() - t0
+        if self.rank == 0:
+            for req, loaded in logs:
+                self._log_load(req, loaded, dt if len(logs) == 1 else dt / len(logs))
+
+    def _plan_load(self, pool: ShmPool, req: LoadRequest, items: list[LoadItem]) -> int:
+        """Check each chunk's header and queue its copy; returns the tokens queued."""
         loaded = 0
         failed_from: int | None = None
         for n, ch in enumerate(req.chunks):
@@ -94,29 +116,35 @@ class HpkvWorker:
                     verdict.value,
                 )
                 break
-            self.paged.scatter(payload, ch.block_ids, ch.first, ch.count)
+            items.append(LoadItem(payload, ch.block_ids, ch.first, ch.count))
             loaded += ch.count
         if failed_from is not None:
             for ch in req.chunks[failed_from:]:
                 first_block = ch.first // self.block_size
                 last_block = -(-(ch.first + ch.count) // self.block_size)
                 self._load_errors.update(ch.block_ids[first_block:last_block])
-        self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
-        dt = time.perf_counter() - t0
-        if self.rank == 0:
-            gb = loaded * self.ns.layout.token_bytes * self.ns.world_size / 1e9
-            tiers = ", ".join(f"{k}: {v} chunks" for k, v in sorted(req.tiers.items()) if v)
-            log.info(
-                "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
-                "cost %.4f ms, throughput: %.4f GB/s (%s)",
-                loaded,
-                req.requested_tokens,
-                req.prompt_tokens,
-                gb,
-                dt * 1e3,
-                gb / dt if dt > 0 else 0.0,
-                tiers or "memory",
-            )
+        with self._lock:
+            self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
+        return loaded
+
+    def _log_load(self, req: LoadRequest, loaded: int, dt: float) -> None:
+        gb = loaded * self.ns.layout.token_bytes * self.ns.world_size / 1e9
+        tiers = ", ".join(f"{k}: {v} chunks" for k, v in sorted(req.tiers.items()) if v)
+        log.info(
+            "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
+            "cost %.4f ms, throughput: %.4f GB/s (%s)",
+            loaded,
+            req.requested_tokens,
+            req.prompt_tokens,
+            gb,
+            dt * 1e3,
+            gb / dt if dt > 0 else 0.0,
+            tiers or "memory",
+        )
+
+    def wait_layer(self, index: int) -> None:
+        if self.mover is not None:
+            self.mover.wait_layer(index)
 
     # -- stores ------------------------------------------------------------------------
 
@@ -124,42 +152,56 @@ class HpkvWorker:
         if not meta.stores:
             return
         pool = self._attach(meta)
-        assert self.paged is not None and pool is not None
+        assert self.mover is not None and pool is not None
         t0 = time.perf_counter()
-        t_copy = 0.0
-        for st in meta.stores:
-            rec, payload = self._slot(pool, st.slot)
-            try:
-                tc = time.perf_counter()
-                self.paged.gather(payload, st.block_ids)
-                t_copy += time.perf_counter() - tc
-                record.seal(rec, self.rank_digest, record_key(self.rank_digest, st.lk), self.payload_bytes)
-                self._results[st.op_id] = (1, 0)
-            except Exception:
-                log.exception("hpkv: storing a chunk failed")
-                self._results[st.op_id] = (0, 1)
+        stores = list(meta.stores)
+        slots = [self._slot(pool, st.slot) for st in stores]
+
+        def sealed() -> None:  # the payloads are in the pool now (CPU: at once; CUDA: mover thread)
+            for st, (rec, _) in zip(stores, slots, strict=True):
+                try:
+                    record.seal(
+                        rec, self.rank_digest, record_key(self.rank_digest, st.lk), self.payload_bytes
+                    )
+                    ok = (1, 0)
+                except Exception:
+                    log.exception("hpkv: sealing a stored chunk failed")
+                    ok = (0, 1)
+                with self._lock:
+                    self._results[st.op_id] = ok
+
+        try:
+            self.mover.store(
+                [StoreItem(p, st.block_ids) for st, (_, p) in zip(stores, slots, strict=True)], sealed
+            )
+        except Exception:
+            log.exception("hpkv: storing chunks failed")
+            with self._lock:
+                for st in stores:
+                    self._results[st.op_id] = (0, 1)
+            return
         if self.rank == 0:
             dt = time.perf_counter() - t0
-            n = len(meta.stores)
+            n = len(stores)
             gb = n * self.payload_bytes * self.ns.world_size / 1e9
             log.info(
-                "hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms "
-                "(copy %.4f ms, checksum %.4f ms)",
+                "hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms",
                 n * self.chunk_size,
                 n,
                 gb,
                 dt * 1e3,
-                t_copy * 1e3,
-                (dt - t_copy) * 1e3,
             )
 
     # -- reporting -----------------------------------------------------------------------
 
     def take_results(self) -> HpkvWorkerMeta | None:
-        if not self._results:
-            return None
-        out = HpkvWorkerMeta(self._results)
-        self._results = {}
+        if self.mover is not None:
+            self.mover.finish_loads()  # a load is done only once its copies landed
+        with self._lock:
+            if not self._results:
+                return None
+            out = HpkvWorkerMeta(self._results)
+            self._results = {}
         return out
 
     def take_load_errors(self) -> set[int]:
@@ -167,6 +209,9 @@ class HpkvWorker:
         return errs
 
     def shutdown(self) -> None:
+        if self.mover is not None:
+            self.mover.close()
+            self.mover = None
         if self.pool is not None:
             self.pool.close()
             self.pool = None

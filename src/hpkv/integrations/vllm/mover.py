@@ -1,0 +1,298 @@
+"""The mover: copies chunk payloads between the shared-memory pool and the engine's paged KV,
+on whichever device the engine's KV lives.
+
+* **CPU** (vLLM's CPU build): copies run synchronously on the calling thread
+  (:class:`PagedKV` scatter/gather); nothing else to order.
+* **CUDA**: the pool is registered with CUDA once (page-locked in place, so
+  host<->device copies run at pinned speed; a failed registration is logged
+  loudly and copies fall back to pageable speed). Loads are staged host->device
+  on a copy stream and scattered into the paged blocks on a scatter stream, in
+  groups of chunks with two staging buffers, so the PCIe copy of one group
+  overlaps the scatter of the previous one. The engine's compute stream waits
+  on an *event* (all layers, or per layer with ``layerwise``), never on the
+  host. Stores record an event on the compute stream after the forward pass;
+  the store stream waits for it, gathers the blocks into a staging buffer and
+  copies them to the pool; the compute stream waits only for the gather (a
+  device-local copy), so a block the engine reuses in the next step has
+  already been read. The device->host copy finishes in the background; a
+  completion thread then seals the record and reports the store.
+
+Thread-safety: one instance per worker; ``load``/``store``/``wait_*`` are called
+from the engine's thread. Completion callbacks run on the mover's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hpkv.integrations.vllm.paged import PagedKV
+
+log = logging.getLogger("hpkv")
+
+GROUP_CHUNKS = 8  # chunks staged per host->device copy group (two groups' buffers live at once)
+STORE_GROUP_CHUNKS = 8  # chunks gathered per device->host group (two staging buffers in turn)
+
+
+@dataclass
+class LoadItem:
+    payload: torch.Tensor  # uint8 view of the chunk's payload in the pool (host memory)
+    block_ids: Sequence[int]  # the chunk's blocks, chunk token j*bs.. in block_ids[j]
+    first: int  # first chunk token to load (a multiple of the block size)
+    count: int  # tokens to load
+
+
+@dataclass
+class StoreItem:
+    payload: torch.Tensor  # uint8 view of the destination slot's payload in the pool
+    block_ids: Sequence[int]
+
+
+def _event() -> Any:
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+
+def cuda_host_register(t: torch.Tensor) -> str | None:
+    """Page-lock ``t``'s host memory in place for CUDA DMA. None on success, else the reason."""
+    try:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    except Exception as e:  # no CUDA runtime binding
+        return f"{type(e).__name__}: {e}"
+    code = int(getattr(err, "value", err))
+    return None if code == 0 else f"cudaHostRegister returned error {code} ({err})"
+
+
+def cuda_host_unregister(t: torch.Tensor) -> None:
+    try:
+        cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        cudart.cudaHostUnregister(t.data_ptr())
+    except Exception:
+        log.debug("hpkv: cudaHostUnregister failed", exc_info=True)
+
+
+class Mover:
+    def __init__(self, paged: PagedKV, layerwise: bool = False) -> None:
+        self.paged = paged
+        self.device = paged.device
+        self.cuda = self.device.type == "cuda"
+        self.layerwise = layerwise and self.cuda
+        self.pinned = False
+        self._registered: torch.Tensor | None = None
+        self._layer_events: list[Any] = []
+        self._pending_load: Any = None
+        # Staging buffers live as long as the mover and are reused in turn, guarded by events:
+        # allocating per call lets the caching allocator fall back to cudaMalloc, which stalls.
+        self._staging: dict[str, torch.Tensor] = {}
+        self._free: dict[str, Any] = {}
+        if self.cuda:
+            self.copy_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self.scatter_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self.store_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self.d2h_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._done: queue.Queue[tuple[Any, Callable[[], None]] | None] = queue.Queue()
+            self._thread = threading.Thread(target=self._complete, name="hpkv-mover", daemon=True)
+            self._thread.start()
+
+    # -- the pool ----------------------------------------------------------------------
+
+    def attach_pool(self, pool_tensor: torch.Tensor) -> None:
+        """Register the pool's memory with CUDA (once per pool); no-op on CPU."""
+        if not self.cuda or self._registered is pool_tensor:
+            return
+        self.detach_pool()
+        why = cuda_host_register(pool_tensor)
+        if why is None:
+            self._registered, self.pinned = pool_tensor, True
+            log.info("hpkv: memory pool (%.1f GiB) registered with CUDA", pool_tensor.numel() / 2**30)
+        else:
+            self.pinned = False
+            log.warning(
+                "hpkv: could not page-lock the memory pool for CUDA (%s); copies fall back to pageable "
+                "memory, several times slower. Check the locked-memory limit (ulimit -l).",
+                why,
+            )
+
+    def detach_pool(self) -> None:
+        if self._registered is not None:
+            torch.cuda.synchronize(self.device)
+            cuda_host_unregister(self._registered)
+            self._registered, self.pinned = None, False
+
+    # -- loads -------------------------------------------------------------------------
+
+    def load(self, items: list[LoadItem]) -> None:
+        """Copy the items into the paged KV. CPU: done on return. CUDA: enqueued; the compute stream
+        waits for it (whole, or per layer with ``layerwise``) before the attention that reads it."""
+        if not items:
+            return
+        if not self.cuda:
+            for it in items:
+                self.paged.scatter(it.payload, it.block_ids, it.first, it.count)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        # Staging must not overtake earlier work on the compute stream touching these blocks.
+        start = _event()
+        start.record(compute)
+        self.copy_stream.wait_event(start)
+        self.scatter_stream.wait_event(start)
+        if self.layerwise:
+            self._load_layerwise(items)
+        else:
+            self._load_grouped(items)
+            done = _event()
+            done.record(self.scatter_stream)
+            compute.wait_event(done)
+            self._pending_load = done
+
+    def _buffer(self, name: str, rows: int, nbytes: int, stream: Any) -> torch.Tensor:
+        """Staging buffer ``name`` (``[rows, nbytes]`` view), after ``stream`` waited until its
+        last reader is done."""
+        t = self._staging.get(name)
+        if t is None or t.numel() < rows * nbytes:
+            torch.cuda.synchronize(self.device)  # rare: first use or a larger group
+            t = torch.empty(rows * nbytes, dtype=torch.uint8, device=self.device)
+            self._staging[name] = t
+            self._free.pop(name, None)
+        ev = self._free.get(name)
+        if ev is not None:
+            stream.wait_event(ev)
+        return t[: rows * nbytes].view(rows, nbytes)
+
+    def _release(self, name: str, stream: Any) -> None:
+        ev = _event()
+        ev.record(stream)
+        self._free[name] = ev
+
+    def _load_grouped(self, items: list[LoadItem]) -> None:
+        nbytes = items[0].payload.numel()
+        groups = [items[g : g + GROUP_CHUNKS] for g in range(0, len(items), GROUP_CHUNKS)]
+        specs = [[(it.block_ids, it.first, it.count) for it in group] for group in groups]
+        with torch.cuda.stream(self.scatter_stream):  # index tensors first, without blocking the host
+            plans = [self.paged.plan(sp) for sp in specs]
+        for g, group in enumerate(groups):
+            name = f"load{g % 2}"
+            buf = self._buffer(name, len(group), nbytes, self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):
+                for j, it in enumerate(group):
+                    buf[j].copy_(it.payload, non_blocking=True)
+                copied = _event()
+                copied.record(self.copy_stream)
+            self.scatter_stream.wait_event(copied)
+            with torch.cuda.stream(self.scatter_stream):
+                self.paged.scatter_many(buf, specs[g], plans[g])
+            self._release(name, self.scatter_stream)
+
+    def _load_layerwise(self, items: list[LoadItem]) -> None:
+        """Layer by layer: layer l's bytes of every chunk cross PCIe, are scattered, and an event
+        lets the compute stream start layer l while later layers are still on the way."""
+        n_layers = self.paged.layout.num_layers
+        per_layer = items[0].payload.numel() // n_layers
+        specs = [(it.block_ids, it.first, it.count) for it in items]
+        with torch.cuda.stream(self.scatter_stream):
+            plan = self.paged.plan(specs)
+        self._layer_events = []
+        for li in range(n_layers):
+            name = f"layer{li % 2}"
+            buf = self._buffer(name, len(items), per_layer, self.copy_stream)
+            with torch.cuda.stream(self.copy_stream):
+                torch._foreach_copy_(
+                    list(buf.unbind(0)),
+                    [it.payload[li * per_layer : (li + 1) * per_layer] for it in items],
+                    non_blocking=True,
+                )
+                copied = _event()
+                copied.record(self.copy_stream)
+            self.scatter_stream.wait_event(copied)
+            with torch.cuda.stream(self.scatter_stream):
+                self.paged.scatter_layer(li, buf, specs, plan)
+                ev = _event()
+                ev.record(self.scatter_stream)
+            self._free[name] = ev
+            self._layer_events.append(ev)
+        self._pending_load = self._layer_events[-1]
+
+    def wait_layer(self, li: int) -> None:
+        """The compute stream waits until layer ``li`` of the current loads is in place (layerwise)."""
+        if self.layerwise and li < len(self._layer_events):
+            torch.cuda.current_stream(self.device).wait_event(self._layer_events[li])
+
+    def finish_loads(self) -> None:
+        """Block the host until the loads enqueued so far are in the paged KV (before reporting them
+        done, so the scheduler never frees a pool slot a copy still reads)."""
+        if self._pending_load is not None:
+            self._pending_load.synchronize()
+            self._pending_load = None
+            self._layer_events = []
+
+    # -- stores ------------------------------------------------------------------------
+
+    def store(self, items: list[StoreItem], on_done: Callable[[], None]) -> None:
+        """Copy the items' blocks into their pool payloads, then call ``on_done`` (CPU: before
+        returning; CUDA: on the mover's thread once the device->host copy has landed)."""
+        if not items:
+            return
+        if not self.cuda:
+            for it in items:
+                self.paged.gather(it.payload, it.block_ids)
+            on_done()
+            return
+        compute = torch.cuda.current_stream(self.device)
+        written = _event()
+        written.record(compute)  # after the forward pass that wrote these blocks
+        self.store_stream.wait_event(written)
+        nbytes = items[0].payload.numel()
+        gathered: Any = None
+        # In groups: the gather of group g+1 (store stream) overlaps the device->host copy of
+        # group g (d2h stream).
+        for g in range(0, len(items), STORE_GROUP_CHUNKS):
+            group = items[g : g + STORE_GROUP_CHUNKS]
+            name = f"store{(g // STORE_GROUP_CHUNKS) % 2}"
+            buf = self._buffer(name, len(group), nbytes, self.store_stream)
+            with torch.cuda.stream(self.store_stream):
+                self.paged.gather_many(buf, [it.block_ids for it in group])
+                gathered = _event()
+                gathered.record(self.store_stream)
+            self.d2h_stream.wait_event(gathered)
+            with torch.cuda.stream(self.d2h_stream):
+                for j, it in enumerate(group):
+                    it.payload.copy_(buf[j], non_blocking=True)
+            self._release(name, self.d2h_stream)
+        landed = _event()
+        landed.record(self.d2h_stream)
+        # The engine may overwrite these blocks in its next step: only after the gathers read them.
+        compute.wait_event(gathered)
+        self._done.put((landed, on_done))
+
+    def _complete(self) -> None:
+        while True:
+            item = self._done.get()
+            if item is None:
+                return
+            ev, fn = item
+            try:
+                ev.synchronize()
+                fn()
+            except Exception:
+                log.exception("hpkv: completing a store failed")
+            finally:
+                self._done.task_done()
+
+    def flush(self) -> None:
+        """Wait until every store has landed and been completed."""
+        if self.cuda:
+            self._done.join()
+
+    def close(self) -> None:
+        if self.cuda:
+            self.finish_loads()
+            self.flush()
+            self._done.put(None)
+            self._thread.join(timeout=30)
+            self.detach_pool()
