@@ -19,96 +19,63 @@ from typing import Any
 
 import torch
 
-_kernels: dict[str, Any] = {}
+_BLOCK = 2048  # elements per loop step of one program
 
-
-def available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _build() -> dict[str, Any]:
-    if _kernels:
-        return _kernels
+try:  # Triton comes with CUDA builds of torch; the CPU build runs without it
     import triton
     import triton.language as tl
 
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - depends on the torch build
+    HAVE_TRITON = False
+
+
+def available() -> bool:
+    return HAVE_TRITON
+
+
+if HAVE_TRITON:
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def paged_offset(e, st, sh, sd, hd: tl.constexpr, d: tl.constexpr):
+        """Element offset, inside one paged block, of the ``e``-th element of a [token][head][dim] run."""
+        return (e // hd) * st + ((e % hd) // d) * sh + (e % d) * sd
+
     @triton.jit  # type: ignore[untyped-decorator]
     def scatter_kernel(
-        src_ptr,
-        ptrs_ptr,
-        items_ptr,
-        in_chunk_ptr,
-        dest_ptr,
-        parts,
-        chunk_tokens,
-        bs,
-        hd,
-        d,
-        sb,
-        st,
-        sh,
-        sd,
-        ELEM: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        m = tl.program_id(0)
-        p = tl.program_id(1)
+        src_ptr, ptrs_ptr, items_ptr, in_chunk_ptr, dest_ptr, parts, chunk_tokens, sb, st, sh, sd,
+        bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        m = tl.program_id(0)  # one whole block of one chunk
+        p = tl.program_id(1)  # one (layer, K/V) part
         item = tl.load(items_ptr + m).to(tl.int64)
         blk = tl.load(in_chunk_ptr + m).to(tl.int64)
-        dest = tl.load(dest_ptr + m).to(tl.int64)
-        base = tl.load(ptrs_ptr + p).to(tl.pointer_type(ELEM))
-        n = bs * hd
-        src0 = ((item * parts + p) * chunk_tokens + blk * bs) * hd
-        for start in range(0, n, BLOCK):
+        dst = tl.load(ptrs_ptr + p).to(tl.pointer_type(ELEM)) + tl.load(dest_ptr + m).to(tl.int64) * sb
+        src = src_ptr + ((item * parts + p) * chunk_tokens + blk * bs) * hd
+        for start in range(0, bs * hd, BLOCK):
             e = start + tl.arange(0, BLOCK)
-            mask = e < n
-            t = e // hd
-            h = (e % hd) // d
-            k = e % d
-            v = tl.load(src_ptr + src0 + e, mask=mask)
-            tl.store(base + dest * sb + t * st + h * sh + k * sd, v, mask=mask)
+            mask = e < bs * hd
+            tl.store(dst + paged_offset(e, st, sh, sd, hd, d), tl.load(src + e, mask=mask), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
     def gather_kernel(
-        dst_ptr,
-        ptrs_ptr,
-        blocks_ptr,
-        parts,
-        nb,
-        bs,
-        hd,
-        d,
-        sb,
-        st,
-        sh,
-        sd,
-        ELEM: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
+        dst_ptr, ptrs_ptr, blocks_ptr, parts, nb, sb, st, sh, sd,
+        bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         m = tl.program_id(0)  # item * nb + block in chunk
         p = tl.program_id(1)
         item = (m // nb).to(tl.int64)
         blk = (m % nb).to(tl.int64)
-        src_block = tl.load(blocks_ptr + m).to(tl.int64)
-        base = tl.load(ptrs_ptr + p).to(tl.pointer_type(ELEM))
-        n = bs * hd
-        dst0 = ((item * parts + p) * nb * bs + blk * bs) * hd
-        for start in range(0, n, BLOCK):
+        src = tl.load(ptrs_ptr + p).to(tl.pointer_type(ELEM)) + tl.load(blocks_ptr + m).to(tl.int64) * sb
+        dst = dst_ptr + ((item * parts + p) * nb * bs + blk * bs) * hd
+        for start in range(0, bs * hd, BLOCK):
             e = start + tl.arange(0, BLOCK)
-            mask = e < n
-            t = e // hd
-            h = (e % hd) // d
-            k = e % d
-            v = tl.load(base + src_block * sb + t * st + h * sh + k * sd, mask=mask)
-            tl.store(dst_ptr + dst0 + e, v, mask=mask)
+            mask = e < bs * hd
+            tl.store(dst + e, tl.load(src + paged_offset(e, st, sh, sd, hd, d), mask=mask), mask=mask)
 
-    _kernels["scatter"] = scatter_kernel
-    _kernels["gather"] = gather_kernel
-    return _kernels
+
+def _build() -> dict[str, Any]:
+    return {"scatter": scatter_kernel, "gather": gather_kernel}
 
 
 def _elem(dtype: torch.dtype) -> Any:
@@ -137,47 +104,19 @@ def scatter(
     """``src``: staged payloads ``[items, bytes]``; ``plan``: the whole blocks (items, in_chunk, dest)."""
     if plan.n == 0:
         return
-    k = _build()
     sb, st, sh, sd = table.strides
-    k["scatter"][(plan.n, table.n)](
-        src.view(table.dtype),
-        table.ptrs,
-        plan.items,
-        plan.in_chunk,
-        plan.dest,
-        table.n,
-        chunk_tokens,
-        bs,
-        heads * d,
-        d,
-        sb,
-        st,
-        sh,
-        sd,
-        ELEM=_elem(table.dtype),
-        BLOCK=1024,
-    )
+    _build()["scatter"][(plan.n, table.n)](
+        src.view(table.dtype), table.ptrs, plan.items, plan.in_chunk, plan.dest, table.n, chunk_tokens,
+        sb, st, sh, sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
+    )  # fmt: skip
 
 
 def gather(
     table: PartTable, dst: torch.Tensor, blocks: torch.Tensor, nb: int, bs: int, heads: int, d: int
 ) -> None:
     """``dst``: ``[items, bytes]`` to fill with whole chunks; ``blocks``: ``[items, nb]`` source block ids."""
-    k = _build()
     sb, st, sh, sd = table.strides
-    k["gather"][(blocks.numel(), table.n)](
-        dst.view(table.dtype),
-        table.ptrs,
-        blocks,
-        table.n,
-        nb,
-        bs,
-        heads * d,
-        d,
-        sb,
-        st,
-        sh,
-        sd,
-        ELEM=_elem(table.dtype),
-        BLOCK=1024,
-    )
+    _build()["gather"][(blocks.numel(), table.n)](
+        dst.view(table.dtype), table.ptrs, blocks, table.n, nb,
+        sb, st, sh, sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
+    )  # fmt: skip
