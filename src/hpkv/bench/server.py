@@ -151,11 +151,35 @@ class Server:
             raise ServerError(f"{path} answered {status}: {body[:300]!r}")
 
     def hpkv_stats(self) -> dict[str, Any]:
-        """The counters of this server's engine (its scheduler process writes them)."""
-        docs = read_all(self.env.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv"))
-        if not docs:
-            raise ServerError("no hpkv stats file: is the connector running?")
-        return max(docs, key=lambda d: d.get("time", 0))
+        """The counters of this server's engine: its stats file when it runs here with a known pool
+        directory, else its ``/metrics`` (``hpkv_tier_*``, ``hpkv_connector``)."""
+        if self.env.get("HPKV_SHARE_MEM_FILE_PATH"):
+            docs = read_all(self.env["HPKV_SHARE_MEM_FILE_PATH"])
+            if docs:
+                return max(docs, key=lambda d: d.get("time", 0))
+        return self.metrics_stats()
+
+    def metrics_stats(self) -> dict[str, Any]:
+        """hpkv's counters from the server's Prometheus endpoint, summed over engine processes."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, body = self.request("GET", "/metrics", timeout=30)
+        if status != 200:
+            raise ServerError(f"/metrics answered {status}")
+        tiers: dict[str, dict[str, int]] = {}
+        conn: dict[str, int] = {}
+        for fam in text_string_to_metric_families(body.decode()):
+            for sample in fam.samples:
+                name = sample.name.removesuffix("_total")
+                if name.startswith("hpkv_tier_") and "tier" in sample.labels:
+                    t = tiers.setdefault(sample.labels["tier"], {})
+                    key = name[len("hpkv_tier_") :]
+                    t[key] = t.get(key, 0) + int(sample.value)
+                elif name == "hpkv_connector" and "what" in sample.labels:
+                    conn[sample.labels["what"]] = conn.get(sample.labels["what"], 0) + int(sample.value)
+        if not tiers and not conn:
+            raise ServerError("the server's /metrics has no hpkv counters: is hpkv's connector running?")
+        return {"tiers": tiers, "connector": conn}
 
 
 def counter(stats: Mapping[str, Any], tier: str, name: str) -> int:
