@@ -36,15 +36,16 @@ def test_a_peer_that_cannot_start_is_reported_with_its_error(
 ) -> None:
     out = str(tmp_path / "peer")
     rc = ttft_main(
-        ["--model", demo_model, "--tokens", "600", "--prompts", "1", "--compare", "none,native",
+        ["--model", demo_model, "--tokens", "600", "--prompts", "1", "--compare", "none,native,lmcache",
          "--scenarios", "prefill,gpu,memory", "--port", "8472", "--pause", "0", "--out", out]
     )  # fmt: skip
     text = capsys.readouterr().out
     assert rc == 0, text
     with open(os.path.join(out, "ttft.json")) as f:
         res = json.load(f)
-    none, native = res["systems"]
+    none, native, lmcache = res["systems"]
     assert [r["scenario"] for r in none["rows"]] == ["prefill", "gpu"]
     assert none["skipped"] == [["memory", "hpkv's tiers are not in a 'none' run"]]
     assert native["error"] and not native["rows"]
     assert "== native ==" in text and "could not run here" in text
+    assert lmcache["error"] == "LMCache is not installed in this environment" and not lmcache["rows"]
