@@ -37,14 +37,17 @@ def available() -> bool:
 if HAVE_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
-    def paged_offset(e, st, sh, sd, hd: tl.constexpr, d: tl.constexpr):
-        """Element offset, inside one paged block, of the ``e``-th element of a [token][head][dim] run."""
+    def paged_offset(e, st, sh, sd: tl.constexpr, hd: tl.constexpr, d: tl.constexpr):
+        """Element offset, inside one paged block, of the ``e``-th element of a [token][head][dim] run.
+        ``sd`` and ``d`` are compile-time constants so the compiler sees runs of ``d`` contiguous
+        elements (``sd == 1`` in vLLM's layouts) and vectorizes them."""
         return (e // hd) * st + ((e % hd) // d) * sh + (e % d) * sd
 
     @triton.jit  # type: ignore[untyped-decorator]
     def scatter_kernel(
-        src_ptr, ptrs_ptr, items_ptr, in_chunk_ptr, dest_ptr, parts, chunk_tokens, sb, st, sh, sd,
-        bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+        src_ptr, ptrs_ptr, items_ptr, in_chunk_ptr, dest_ptr, parts, chunk_tokens, sb, st, sh,
+        sd: tl.constexpr, bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr,
+        ELEM: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         m = tl.program_id(0)  # one whole block of one chunk
         p = tl.program_id(1)  # one (layer, K/V) part
@@ -59,8 +62,9 @@ if HAVE_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def gather_kernel(
-        dst_ptr, ptrs_ptr, blocks_ptr, parts, nb, sb, st, sh, sd,
-        bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr, ELEM: tl.constexpr, BLOCK: tl.constexpr,
+        dst_ptr, ptrs_ptr, blocks_ptr, parts, nb, sb, st, sh,
+        sd: tl.constexpr, bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr,
+        ELEM: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         m = tl.program_id(0)  # item * nb + block in chunk
         p = tl.program_id(1)
@@ -107,7 +111,7 @@ def scatter(
     sb, st, sh, sd = table.strides
     _build()["scatter"][(plan.n, table.n)](
         src.view(table.dtype), table.ptrs, plan.items, plan.in_chunk, plan.dest, table.n, chunk_tokens,
-        sb, st, sh, sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
+        sb, st, sh, sd=sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
     )  # fmt: skip
 
 
@@ -118,5 +122,5 @@ def gather(
     sb, st, sh, sd = table.strides
     _build()["gather"][(blocks.numel(), table.n)](
         dst.view(table.dtype), table.ptrs, blocks, table.n, nb,
-        sb, st, sh, sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
+        sb, st, sh, sd=sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
     )  # fmt: skip
