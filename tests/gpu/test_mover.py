@@ -149,14 +149,20 @@ def test_round_trip_pool_paged_pool(
         mover.close()
 
 
+def _filled_cuda_mover(pool: ShmPool, bs: int, seed: int):  # type: ignore[no-untyped-def]
+    """A CUDA mover on token-major bf16 KV filled with random values, the pool attached, and a CPU
+    copy of the KV to compute expected payloads from."""
+    layout, caches, paged, mover = _setup("token-major", bs, torch.bfloat16, "cuda", False)
+    mover.attach_pool(pool.tensor)
+    fill_random(caches, seed=seed)
+    return layout, caches, mover, PagedKV([c.cpu() for c in caches], bs, layout, paged.backend)
+
+
 @CUDA_ONLY
 def test_store_reads_blocks_before_the_engine_reuses_them(pool: ShmPool) -> None:
-    layout, caches, paged, mover = _setup("token-major", 16, torch.bfloat16, "cuda", False)
+    layout, caches, mover, cpu_paged = _filled_cuda_mover(pool, 16, seed=3)
     try:
-        mover.attach_pool(pool.tensor)
-        fill_random(caches, seed=3)
         blocks = list(range(CHUNK // 16))
-        cpu_paged = PagedKV([c.cpu() for c in caches], 16, layout, paged.backend)
         want = expected_payload(cpu_paged, blocks, layout)
         nbytes = layout.chunk_bytes(CHUNK)
         # Hold the store stream back, so an unordered engine would overwrite the blocks first.
@@ -173,20 +179,17 @@ def test_store_reads_blocks_before_the_engine_reuses_them(pool: ShmPool) -> None
 
 @CUDA_ONLY
 def test_load_is_ordered_before_the_compute_stream_reads(pool: ShmPool) -> None:
-    layout, caches, paged, mover = _setup("token-major", 64, torch.bfloat16, "cuda", False)
+    layout, caches, mover, cpu_paged = _filled_cuda_mover(pool, 64, seed=5)
     try:
-        mover.attach_pool(pool.tensor)
-        fill_random(caches, seed=5)
         nbytes = layout.chunk_bytes(CHUNK)
         blocks = [10, 11]
-        cpu_paged = PagedKV([c.cpu() for c in caches], 64, layout, paged.backend)
         slot(pool, 0, nbytes).copy_(expected_payload(cpu_paged, [0, 1], layout))
         with torch.cuda.stream(mover.copy_stream):
             torch.cuda._sleep(200_000_000)  # a slow PCIe copy
         mover.load([LoadItem(slot(pool, 0, nbytes), blocks, 0, CHUNK)])
         snapshot = [c.clone() for c in caches]  # on the compute stream: must see the loaded data
         mover.finish_loads()
-        got = PagedKV([c.cpu() for c in snapshot], 64, layout, paged.backend)
+        got = PagedKV([c.cpu() for c in snapshot], 64, layout, cpu_paged.backend)
         assert torch.equal(expected_payload(got, blocks, layout), expected_payload(cpu_paged, [0, 1], layout))
     finally:
         mover.close()

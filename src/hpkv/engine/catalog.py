@@ -172,9 +172,7 @@ class Catalog:
 
         Memory and storage are checked here; the keys they lack go to valkey in one batch."""
         keys = list(lks)
-        out: list[str | None] = []
-        for lk in keys:
-            out.append(MEMORY if self.in_memory(lk) else STORAGE if self.in_storage(lk) else None)
+        out = self.locate_local(keys)
         rest = [i for i, w in enumerate(out) if w is None]
         if rest and self.valkey:
             # Only up to the first key nothing holds matters; ask for the local gaps before it too.

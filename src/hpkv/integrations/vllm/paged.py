@@ -144,15 +144,9 @@ class PagedKV:
         L, bs = self.layout, self.block_size
         nb = len(specs[0][0])
         plan = plan or self.plan(specs)
-        if self.use_kernels:
-            from hpkv.integrations.vllm import kernels
-
-            kernels.scatter(self._tables[0], buf, plan, nb * bs, bs, L.num_kv_heads, L.head_dim)
-            if not plan.tails:
-                return
-            plan = plan.tails_only()
+        whole = self._kernel_scatter(self._tables[0] if self.use_kernels else None, buf, plan, nb)
         src = buf.view(L.dtype).view(buf.shape[0], L.num_layers, L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
-        self._scatter_parts(plan, lambda li, ki: src[:, li, ki], range(L.num_layers))
+        self._scatter_parts(plan, lambda li, ki: src[:, li, ki], range(L.num_layers), whole)
 
     def scatter_layer(
         self, li: int, buf: torch.Tensor, specs: Sequence[Spec], plan: _Plan | None = None
@@ -161,23 +155,30 @@ class PagedKV:
         L, bs = self.layout, self.block_size
         nb = len(specs[0][0])
         plan = plan or self.plan(specs)
-        if self.use_kernels:
-            from hpkv.integrations.vllm import kernels
-
-            kernels.scatter(self._tables[1][li], buf, plan, nb * bs, bs, L.num_kv_heads, L.head_dim)
-            if not plan.tails:
-                return
-            plan = plan.tails_only()
+        whole = self._kernel_scatter(self._tables[1][li] if self.use_kernels else None, buf, plan, nb)
         src = buf.view(L.dtype).view(buf.shape[0], L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
-        self._scatter_parts(plan, lambda _li, ki: src[:, ki], [li])
+        self._scatter_parts(plan, lambda _li, ki: src[:, ki], [li], whole)
+
+    def _kernel_scatter(self, table: Any, buf: torch.Tensor, plan: _Plan, nb: int) -> bool:
+        """Move the whole blocks with the Triton kernel when ``table`` is given; True if the torch
+        path must still move them (partial blocks always go through torch)."""
+        if table is None:
+            return True
+        from hpkv.integrations.vllm import kernels
+
+        L = self.layout
+        kernels.scatter(table, buf, plan, nb * self.block_size, self.block_size, L.num_kv_heads, L.head_dim)
+        return False
 
     def _scatter_parts(
-        self, plan: _Plan, source: Callable[[int, int], torch.Tensor], layers: Iterable[int]
+        self, plan: _Plan, source: Callable[[int, int], torch.Tensor], layers: Iterable[int], whole: bool
     ) -> None:
+        if not (whole and plan.n) and not plan.tails:
+            return
         for li in layers:
             for ki, part in enumerate(self.layers[li].parts):
                 s = source(li, ki)  # [items, blocks in chunk, bs, heads, dim]
-                if plan.n:
+                if whole and plan.n:
                     part.index_put_((plan.dest,), s[plan.items, plan.in_chunk])
                 for item, block, tok, n in plan.tails:
                     flat = s[item].flatten(0, 1)
@@ -187,9 +188,12 @@ class PagedKV:
         """Gather whole chunks from the paged KV into ``buf`` (``[items, payload bytes]``, canonical)."""
         L, bs = self.layout, self.block_size
         nb = len(block_ids[0])
-        idx = torch.as_tensor([list(b) for b in block_ids], dtype=torch.long).to(
-            self.device, non_blocking=True
-        )
+        idx = _to_device([list(b) for b in block_ids], self.device)
+        if self.use_kernels:
+            from hpkv.integrations.vllm import kernels
+
+            kernels.gather(self._tables[0], buf, idx, nb, bs, L.num_kv_heads, L.head_dim)
+            return
         dst = buf.view(L.dtype).view(buf.shape[0], L.num_layers, L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
         for li, views in enumerate(self.layers):
             for ki, part in enumerate(views.parts):
@@ -221,12 +225,6 @@ class _Plan:
         self.items = _to_device(items, device)
         self.in_chunk = _to_device(in_chunk, device)
         self.dest = _to_device(dest, device)
-
-    def tails_only(self) -> _Plan:
-        """The same partial blocks, no whole ones (after a kernel moved those)."""
-        out = _Plan([], 1, self.device)
-        out.tails = self.tails
-        return out
 
 
 def _to_device(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:

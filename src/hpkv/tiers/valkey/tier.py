@@ -99,7 +99,9 @@ class ValkeyTier:
         True: ``buf`` holds a verified record. False: a counted miss (absent, wrong length,
         failed verification, server down). When this returns, no write into ``buf`` is pending."""
         name = self.key_name(key)
-        view = memoryview(buf).cast("B") if memoryview(buf).format != "B" else memoryview(buf)
+        view = memoryview(buf)
+        if view.format != "B":  # GLIDE's buffer= takes unsigned bytes only
+            view = view.cast("B")
         target = view[: self.record_bytes]
 
         too_big = glide().RequestError
