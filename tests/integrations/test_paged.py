@@ -82,6 +82,41 @@ def test_gather_then_scatter_round_trip(kind: str, bs: int, dtype: torch.dtype) 
         assert torch.equal(v[dst_blocks], vs[li][src_blocks])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "src_blocks,dst_blocks",
+    [([7, 8, 9, 2], [20, 21, 22, 23]), ([30, 31, 32, 33], [11, 5, 6, 12]), ([1, 2, 3, 4], [4, 3, 2, 1])],
+)
+def test_runs_of_consecutive_blocks_round_trip(
+    kind: str, src_blocks: list[int], dst_blocks: list[int]
+) -> None:
+    """Host copies go run by run of consecutive block ids: runs of every length, and ids reversed."""
+    bs, chunk, dtype = 16, 64, torch.bfloat16
+    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype)
+    caches = make_caches(kind, bs, dtype)
+    g = torch.Generator().manual_seed(7)
+    ks = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
+    vs = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
+    for c, k, v in zip(caches, ks, vs, strict=True):
+        write_kv(kind, c, k, v, bs)
+    paged = PagedKV(caches, bs, layout, "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN")
+    payload = torch.empty(layout.chunk_bytes(chunk), dtype=torch.uint8)
+    paged.gather(payload, src_blocks)
+    canon = payload.view(dtype).view(layout.chunk_shape(chunk))
+    for li in range(L):
+        assert torch.equal(canon[li, 0], ks[li][src_blocks].reshape(chunk, H, D))
+        assert torch.equal(canon[li, 1], vs[li][src_blocks].reshape(chunk, H, D))
+    untouched = [i for i in range(NUM_BLOCKS) if i not in dst_blocks]
+    before = [read_kv(kind, c, bs) for c in caches]
+    before = [(k[untouched].clone(), v[untouched].clone()) for k, v in before]
+    paged.scatter(payload, dst_blocks, 0, chunk)
+    for li in range(L):
+        k, v = read_kv(kind, caches[li], bs)
+        assert torch.equal(k[dst_blocks], ks[li][src_blocks])
+        assert torch.equal(v[dst_blocks], vs[li][src_blocks])
+        assert torch.equal(k[untouched], before[li][0]) and torch.equal(v[untouched], before[li][1])
+
+
 @pytest.mark.parametrize("kind", ["cpu", "gpu-token-major"])
 def test_partial_scatter_touches_only_the_named_tokens(kind: str) -> None:
     bs, chunk = 32, 128

@@ -14,9 +14,11 @@ hard-codes strides:
   head block as ``[2 × block_size, head_dim]``: all K rows, then all V rows;
 * MLA backends keep one latent per token (``heads == 1``, ``num_kv == 1``).
 
-Copies are batched per (layer, K/V) and per chunk: one ``index_select`` /
-``index_copy_`` over the chunk's blocks, so small blocks do not turn into
-many tiny copies.
+On the host (the CPU build) a chunk's blocks are copied in runs of consecutive
+block ids: one strided ``copy_`` per run and layer, K and V together where the
+backend keeps them in one head block (``CPU_ATTN``), so the copy is one pass
+over contiguous destination memory rather than an indexed copy per K/V. On
+CUDA the batched forms below serve the mover (one Triton launch for all layers).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class LayerViews:
     """K and V (or the single MLA latent) of one layer as ``[block, token, head, dim]`` views."""
 
     parts: tuple[torch.Tensor, ...]
+    fused: torch.Tensor | None = None  # CPU_ATTN: [block, head, K/V, token, dim] over the same memory
 
 
 class PagedKV:
@@ -88,24 +91,33 @@ class PagedKV:
             # Each head block's [bs, 2d] memory holds bs K rows of d, then bs V rows of d.
             rows = t.view(blocks, heads, 2 * bs, d) if t.is_contiguous() else _as_rows(t, bs, d)
             k, v = rows[:, :, :bs], rows[:, :, bs:]
-        else:
-            k, v = t[..., :d], t[..., d:]
+            # K and V of a block as one [block, head, K/V, token, dim] view: a run of blocks is then
+            # one copy whose destination is contiguous per block.
+            fused = rows.view(rows.shape[0], heads, 2, bs, d) if t.is_contiguous() else _fused(rows, bs)
+            return LayerViews((k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)), fused)
+        k, v = t[..., :d], t[..., d:]
         return LayerViews((k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3)))
 
     def gather(self, payload: torch.Tensor, block_ids: Sequence[int]) -> None:
         """Copy the chunk held by ``block_ids`` (consecutive tokens, whole blocks) into ``payload``."""
-        chunk = len(block_ids) * self.block_size
-        dst = payload.view(self.layout.dtype).view(self.layout.chunk_shape(chunk))
+        L, bs = self.layout, self.block_size
         nb = len(block_ids)
-        L = self.layout
-        idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
-        for li, views in enumerate(self.layers):
-            for ki, part in enumerate(views.parts):
-                out = dst[li, ki].view(nb, self.block_size, L.num_kv_heads, L.head_dim)
-                if self.device.type == "cpu":
-                    torch.index_select(part, 0, idx, out=out)
+        dst = payload.view(L.dtype).view(L.num_layers, L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
+        if self.device.type != "cpu":
+            idx = torch.as_tensor(block_ids, dtype=torch.long, device=self.device)
+            for li, views in enumerate(self.layers):
+                for ki, part in enumerate(views.parts):
+                    dst[li, ki].copy_(part.index_select(0, idx), non_blocking=True)
+            return
+        for j, b, n in _runs(block_ids, 0, nb):
+            for li, views in enumerate(self.layers):
+                if views.fused is not None:
+                    # Written through a view in the source's order ([n, head, K/V, bs, dim]), so the
+                    # copy walks the engine's blocks sequentially.
+                    dst[li, :, j : j + n].permute(1, 3, 0, 2, 4).copy_(views.fused[b : b + n])
                 else:
-                    out.copy_(part.index_select(0, idx), non_blocking=True)
+                    for ki, part in enumerate(views.parts):
+                        dst[li, ki, j : j + n].copy_(part[b : b + n])
 
     def scatter(self, payload: torch.Tensor, block_ids: Sequence[int], first: int, count: int) -> None:
         """Copy tokens ``[first, first+count)`` of the chunk in ``payload`` into the blocks holding them.
@@ -116,21 +128,44 @@ class PagedKV:
         """
         bs = self.block_size
         L = self.layout
-        chunk_tokens = len(block_ids) * bs
-        src = payload.view(L.dtype).view(L.chunk_shape(chunk_tokens))
+        nb = len(block_ids)
+        src = payload.view(L.dtype).view(L.num_layers, L.num_kv, nb, bs, L.num_kv_heads, L.head_dim)
         b0 = first // bs
         full = count // bs
         tail = count - full * bs
-        idx = torch.as_tensor(block_ids[b0 : b0 + full], dtype=torch.long, device=self.device)
-        for li, views in enumerate(self.layers):
-            for ki, part in enumerate(views.parts):
-                s = src[li, ki]
-                if full:
-                    blocks = s[first : first + full * bs].view(full, bs, L.num_kv_heads, L.head_dim)
-                    part.index_copy_(0, idx, blocks.to(part.device, non_blocking=True))
-                if tail:
-                    start = first + full * bs
-                    part[block_ids[b0 + full], :tail].copy_(s[start : start + tail], non_blocking=True)
+        if full and self.device.type != "cpu":
+            dev_idx = torch.as_tensor(block_ids[b0 : b0 + full], dtype=torch.long, device=self.device)
+            for li, views in enumerate(self.layers):
+                for ki, part in enumerate(views.parts):
+                    part.index_copy_(
+                        0, dev_idx, src[li, ki, b0 : b0 + full].to(part.device, non_blocking=True)
+                    )
+        elif full:
+            runs = _runs(block_ids, b0, b0 + full)
+            # Scattered blocks: one indexed copy per layer beats a copy per block (call overhead).
+            idx: torch.Tensor | None = None
+            if len(runs) > 2:
+                idx = torch.as_tensor(block_ids[b0 : b0 + full], dtype=torch.long)
+            for li, views in enumerate(self.layers):
+                if views.fused is not None:  # [n, head, K/V, bs, dim] <- [K/V, n, bs, head, dim]
+                    s = src[li, :, b0 : b0 + full].permute(1, 3, 0, 2, 4)
+                    if idx is not None:
+                        views.fused.index_copy_(0, idx, s)
+                    else:
+                        for j, b, n in runs:
+                            views.fused[b : b + n].copy_(s[j - b0 : j - b0 + n])
+                    continue
+                for ki, part in enumerate(views.parts):
+                    if idx is not None:
+                        part.index_copy_(0, idx, src[li, ki, b0 : b0 + full])
+                    else:
+                        for j, b, n in runs:
+                            part[b : b + n].copy_(src[li, ki, j : j + n])
+        if tail:
+            j = b0 + full
+            for li, views in enumerate(self.layers):
+                for ki, part in enumerate(views.parts):
+                    part[block_ids[j], :tail].copy_(src[li, ki, j, :tail], non_blocking=True)
 
     # -- batched forms (the CUDA mover): one indexed copy per layer and K/V for many chunks ------
 
@@ -227,6 +262,19 @@ class _Plan:
         self.dest = _to_device(dest, device)
 
 
+def _runs(block_ids: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``block_ids[lo:hi]`` as runs of consecutive ids: (index in the chunk, first block id, length)."""
+    out: list[tuple[int, int, int]] = []
+    j = lo
+    while j < hi:
+        n = 1
+        while j + n < hi and block_ids[j + n] == block_ids[j] + n:
+            n += 1
+        out.append((j, block_ids[j], n))
+        j += n
+    return out
+
+
 def _to_device(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
     """An index tensor on ``device``. On CUDA it goes through page-locked memory: a copy from
     pageable memory would block the host until the stream reached it, stalling the pipeline."""
@@ -234,6 +282,13 @@ def _to_device(values: list[int] | list[list[int]], device: torch.device) -> tor
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _fused(rows: torch.Tensor, bs: int) -> torch.Tensor:
+    """``[blocks, heads, 2bs, d]`` (rows of each head block contiguous) -> ``[blocks, heads, 2, bs, d]``."""
+    s = rows.stride()
+    shape = (rows.shape[0], rows.shape[1], 2, bs, rows.shape[3])
+    return rows.as_strided(shape, (s[0], s[1], bs * s[2], s[2], s[3]))
 
 
 def _as_rows(t: torch.Tensor, bs: int, d: int) -> torch.Tensor:
