@@ -179,3 +179,41 @@ def test_unwritable_root_is_a_config_error(tmp_path: object) -> None:
     open(blocker, "w").close()
     with pytest.raises(HpkvConfigError, match=r"HPKV_KV_STORAGE_PATH=.*not a writable directory.*~/storage"):
         tier(os.path.join(blocker, "storage"))
+
+
+def test_reads_come_from_the_page_cache_when_cached_else_direct(storage_dir: str) -> None:
+    """Exact bytes whether the file is cached, dropped from the page cache, or cached in part."""
+    from hpkv.tiers.disk.io import PAGE, Reader, _all_cached
+
+    size = 64 * PAGE + 123  # not a whole number of pages
+    data = os.urandom(size)
+    os.makedirs(storage_dir, exist_ok=True)
+    path = os.path.join(storage_dir, "chunk")
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: DONTNEED can drop them
+    r = Reader(o_direct=True)
+
+    def read() -> bytes:
+        b = memoryview(mmap.mmap(-1, 65 * PAGE))
+        n, _ = r.read(path, b, size)
+        assert n == size
+        return bytes(b[:n])
+
+    assert read() == data  # just written: in the page cache
+    if r.direct:
+        assert r.cached_reads == 1
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        dropped = not _all_cached(fd, size)
+        assert read() == data  # from the device
+        if r.direct and dropped:
+            assert r.cached_reads == 1
+            assert not _all_cached(fd, size)  # O_DIRECT left the page cache alone
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.pread(fd, 3 * PAGE + 17, 0)  # some pages cached again, maybe not all
+        assert read() == data
+    finally:
+        os.close(fd)

@@ -220,7 +220,11 @@ class StorageTier:
         with self._lock:
             used, count, cap = self._index.used, len(self._index), self._index.capacity
         return self._stats.snapshot(
-            used_bytes=used, capacity_bytes=cap, chunks=count, o_direct=int(self._reader.direct)
+            used_bytes=used,
+            capacity_bytes=cap,
+            chunks=count,
+            o_direct=int(self._reader.direct),
+            page_cache_reads=self._reader.cached_reads,
         )
 
     def count(self, name: str, n: int = 1) -> None:
