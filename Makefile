@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-unit test-e2e test-gpu lint demo bench-tiers bench-valkey bench-gpu tls-server clean
+.PHONY: venv test test-unit test-e2e test-gpu lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -26,13 +26,13 @@ tls-server:
 	  echo "could not install redis-server: the TLS test will fail; install it (apt-get install redis-server)"
 
 # Everything: unit tests, then the end-to-end tests against a real vLLM server.
-test: $(STAMP) tls-server
+test: $(STAMP) tls-server peers
 	$(BIN)/python -m pytest -q tests
 
 test-unit: $(STAMP) tls-server
 	$(BIN)/python -m pytest -q tests --ignore=tests/e2e
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) peers
 	$(BIN)/python -m pytest -q tests/e2e
 
 lint: $(STAMP)
@@ -42,6 +42,18 @@ lint: $(STAMP)
 # The main job: the seed's TTFT benchmark on the built-in demo model (prefill, GPU, memory, storage hits).
 demo: $(STAMP)
 	$(BIN)/hpkv bench ttft --out out/demo
+
+# Peers for the comparison (LMCache), in their own venv layered over .venv (vLLM and torch come from there).
+PEERS := .venv-peers
+peers: $(STAMP)
+	test -x $(PEERS)/bin/python || $(BIN)/python -m venv --without-pip $(PEERS)
+	$(BIN)/pip install -q --no-deps --target $$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") -r requirements-peers.txt
+	$(BIN)/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
+	  > $$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/hpkv-base.pth
+
+# hpkv next to its peers on the demo model: vLLM alone, vLLM's OffloadingConnector, LMCache.
+compare: $(STAMP) peers
+	$(BIN)/hpkv bench ttft --compare hpkv,none,native,lmcache --out out/compare
 
 bench-tiers: $(STAMP)
 	$(BIN)/hpkv bench tiers
@@ -57,4 +69,4 @@ bench-gpu:
 	PYTHONPATH=src python3 -m hpkv.bench.gpu
 
 clean:
-	rm -rf $(VENV) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) out .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,7 @@
 """``hpkv bench ttft`` end to end on the tiny demo model: every hpkv scenario proven by the counters
-(valkey against an embedded server), the JSON and the chart written; a peer that cannot start here is
-reported with its error instead of being left out."""
+(valkey against an embedded server), references measured, the JSON and the chart written; a row the
+counters do not back is INVALID; LMCache (from ``make peers``) runs side by side and its rows are proven
+by vLLM's counters; a peer that cannot start here is reported with its error instead of being left out."""
 
 from __future__ import annotations
 
@@ -8,44 +9,98 @@ import json
 import os
 from typing import Any
 
+import pytest
+
 from hpkv.bench.ttft import main as ttft_main
 
 
-def test_every_scenario_is_proven_and_reported(demo_model: str, tmp_path: Any, capsys: Any) -> None:
-    out = str(tmp_path / "ttft")
-    rc = ttft_main(
-        ["--model", demo_model, "--tokens", "1100", "--prompts", "2", "--prompt-kind", "random",
-         "--port", "8471", "--pause", "0", "--out", out]
-    )  # fmt: skip
+def run(args: list[str], out: str, capsys: Any) -> tuple[int, dict[str, Any], str]:
+    rc = ttft_main([*args, "--pause", "0", "--out", out])
     text = capsys.readouterr().out
-    assert rc == 0, text
     with open(os.path.join(out, "ttft.json")) as f:
-        res = json.load(f)
-    rows = {r["scenario"]: r for r in res["systems"][0]["rows"]}
-    assert list(rows) == ["prefill", "gpu", "memory", "storage", "mixed", "valkey"]
+        return rc, json.load(f), text
+
+
+def test_every_scenario_is_proven_and_reported(demo_model: str, tmp_path: Any, capsys: Any) -> None:
+    rc, res, text = run(
+        ["--model", demo_model, "--tokens", "1100", "--prompts", "2", "--prompt-kind", "random",
+         "--port", "8471"],
+        str(tmp_path / "ttft"), capsys,
+    )  # fmt: skip
+    assert rc == 0, text
+    hp = res["systems"][0]
+    rows = {r["scenario"]: r for r in hp["rows"]}
+    assert list(rows) == ["prefill", "gpu", "memory", "storage", "storage-cold", "mixed", "valkey"]
     assert all(r["valid"] for r in rows.values()), [r["proof"] for r in rows.values()]
     assert rows["valkey"]["deltas"]["keyspace_hits"] == 2 * 4  # 2 prompts x 4 full chunks, one GET each
     assert rows["mixed"]["deltas"]["storage_hits"] == 2 * 2  # half of each prompt came from memory
-    assert len(res["requests"]) == 6 * 2
-    assert os.path.getsize(os.path.join(out, "ttft.png")) > 1000
-    assert "INVALID" not in text
+    assert rows["storage-cold"]["deltas"]["page_cache_reads"] == 0
+    assert rows["memory"]["deltas"]["prefix_cache_hits"] == 0  # vLLM's own cache did not serve it
+    assert rows["gpu"]["deltas"]["prefix_cache_hits"] >= 2 * 1024
+    # The references were measured on this run's data.
+    assert set(hp["refs"]) == {"memory", "storage", "storage-cold", "valkey"}
+    assert all(r["gbps"] > 0 for r in hp["refs"].values()), hp["refs"]
+    assert len(res["requests"]) == 7 * 2
+    assert os.path.getsize(os.path.join(out_png := str(tmp_path / "ttft" / "ttft.png"))) > 1000, out_png
+    assert "INVALID" not in text and "x ref" in text
 
 
-def test_a_peer_that_cannot_start_is_reported_with_its_error(
-    demo_model: str, tmp_path: Any, capsys: Any
-) -> None:
-    out = str(tmp_path / "peer")
-    rc = ttft_main(
-        ["--model", demo_model, "--tokens", "600", "--prompts", "1", "--compare", "none,native,lmcache",
-         "--scenarios", "prefill,gpu,memory", "--port", "8472", "--pause", "0", "--out", out]
+def test_a_memory_row_the_engine_served_is_invalid(demo_model: str, tmp_path: Any, capsys: Any) -> None:
+    """Without /reset_prefix_cache, vLLM's own cache serves the memory row: it must not be reported."""
+    rc, res, text = run(
+        ["--model", demo_model, "--tokens", "600", "--prompts", "2", "--scenarios", "prefill,gpu,memory",
+         "--skip-reset", "--port", "8473"],
+        str(tmp_path / "noreset"), capsys,
     )  # fmt: skip
-    text = capsys.readouterr().out
+    assert rc == 1, text
+    rows = {r["scenario"]: r for r in res["systems"][0]["rows"]}
+    assert rows["prefill"]["valid"] and rows["gpu"]["valid"]
+    assert not rows["memory"]["valid"]
+    assert rows["memory"]["proof"].startswith("INVALID: memory pool hits 0/4 chunks")
+    assert rows["memory"]["deltas"]["prefix_cache_hits"] > 0
+    assert "INVALID" in text
+
+
+def test_peers_side_by_side(demo_model: str, tmp_path: Any, capsys: Any) -> None:
+    """vLLM alone, vLLM's native offloading (refuses the CPU build: its error is shown) and LMCache
+    in its multi-process mode, on the same prompts."""
+    from hpkv.bench.peers import lmcache_python
+
+    py, why = lmcache_python()
+    assert py is not None, why  # `make test` installs the peers (make peers) first
+    rc, res, text = run(
+        ["--model", demo_model, "--tokens", "600", "--prompts", "2", "--compare", "none,native,lmcache",
+         "--scenarios", "prefill,gpu,memory,storage", "--port", "8472"],
+        str(tmp_path / "peers"), capsys,
+    )  # fmt: skip
     assert rc == 0, text
-    with open(os.path.join(out, "ttft.json")) as f:
-        res = json.load(f)
     none, native, lmcache = res["systems"]
     assert [r["scenario"] for r in none["rows"]] == ["prefill", "gpu"]
-    assert none["skipped"] == [["memory", "hpkv's tiers are not in a 'none' run"]]
+    assert none["skipped"] == [
+        ["memory", "no KV connector tier in a 'none' run"],
+        ["storage", "no KV connector tier in a 'none' run"],
+    ]
     assert native["error"] and not native["rows"]
     assert "== native ==" in text and "could not run here" in text
-    assert lmcache["error"] == "LMCache is not installed in this environment" and not lmcache["rows"]
+    rows = {r["scenario"]: r for r in lmcache["rows"]}
+    assert list(rows) == ["prefill", "gpu", "memory", "storage"], lmcache["error"]
+    assert all(r["valid"] for r in rows.values()), [r["proof"] for r in rows.values()]
+    # The connector, not vLLM's own cache, supplied the hit rows.
+    assert rows["memory"]["deltas"]["external_prefix_cache_hits"] >= 2 * 512
+    assert rows["storage"]["deltas"]["prefix_cache_hits"] == 0
+    assert "side by side" in text
+
+
+def test_a_missing_peer_is_reported_not_left_out(
+    demo_model: str, tmp_path: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HPKV_PEERS_PYTHON", str(tmp_path / "no-such-python"))
+    rc, res, text = run(
+        ["--model", demo_model, "--tokens", "600", "--prompts", "1", "--compare", "lmcache",
+         "--scenarios", "prefill", "--port", "8474"],
+        str(tmp_path / "missing"), capsys,
+    )  # fmt: skip
+    assert rc == 0, text
+    (lm,) = res["systems"]
+    assert "no-such-python is not executable" in lm["error"] and not lm["rows"]
+    assert "could not run here" in text

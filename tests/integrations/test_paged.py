@@ -51,22 +51,20 @@ def read_kv(kind: str, cache: torch.Tensor, bs: int) -> tuple[torch.Tensor, torc
 KINDS = ["cpu", "gpu-token-major", "gpu-one-allocation", "gpu-head-major"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("bs", [16, 32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gather_then_scatter_round_trip(kind: str, bs: int, dtype: torch.dtype) -> None:
-    chunk = 128
+def round_trip(
+    kind: str, bs: int, dtype: torch.dtype, src_blocks: list[int], dst_blocks: list[int], seed: int
+) -> None:
+    """Gather a chunk from ``src_blocks``, check it is canonical, scatter it into ``dst_blocks``, check
+    those hold it and no other block changed."""
+    chunk = len(src_blocks) * bs
     layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype)
     caches = make_caches(kind, bs, dtype)
-    g = torch.Generator().manual_seed(bs)
+    g = torch.Generator().manual_seed(seed)
     ks = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
     vs = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
     for c, k, v in zip(caches, ks, vs, strict=True):
         write_kv(kind, c, k, v, bs)
-    backend = "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN"
-    paged = PagedKV(caches, bs, layout, backend)
-    perm = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    src_blocks, dst_blocks = perm[: chunk // bs], perm[chunk // bs : 2 * chunk // bs]
+    paged = PagedKV(caches, bs, layout, "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN")
 
     payload = torch.empty(layout.chunk_bytes(chunk), dtype=torch.uint8)
     paged.gather(payload, src_blocks)
@@ -75,11 +73,23 @@ def test_gather_then_scatter_round_trip(kind: str, bs: int, dtype: torch.dtype) 
         assert torch.equal(canon[li, 0], ks[li][src_blocks].reshape(chunk, H, D))
         assert torch.equal(canon[li, 1], vs[li][src_blocks].reshape(chunk, H, D))
 
+    untouched = [i for i in range(NUM_BLOCKS) if i not in dst_blocks]
+    before = [(k[untouched].clone(), v[untouched].clone()) for k, v in (read_kv(kind, c, bs) for c in caches)]
     paged.scatter(payload, dst_blocks, 0, chunk)
     for li in range(L):
         k, v = read_kv(kind, caches[li], bs)
         assert torch.equal(k[dst_blocks], ks[li][src_blocks])
         assert torch.equal(v[dst_blocks], vs[li][src_blocks])
+        assert torch.equal(k[untouched], before[li][0]) and torch.equal(v[untouched], before[li][1])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bs", [16, 32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gather_then_scatter_round_trip(kind: str, bs: int, dtype: torch.dtype) -> None:
+    chunk = 128
+    perm = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(bs)).tolist()
+    round_trip(kind, bs, dtype, perm[: chunk // bs], perm[chunk // bs : 2 * chunk // bs], seed=bs)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -91,30 +101,7 @@ def test_runs_of_consecutive_blocks_round_trip(
     kind: str, src_blocks: list[int], dst_blocks: list[int]
 ) -> None:
     """Host copies go run by run of consecutive block ids: runs of every length, and ids reversed."""
-    bs, chunk, dtype = 16, 64, torch.bfloat16
-    layout = KVLayout(num_layers=L, num_kv_heads=H, head_dim=D, dtype=dtype)
-    caches = make_caches(kind, bs, dtype)
-    g = torch.Generator().manual_seed(7)
-    ks = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
-    vs = [torch.randn(NUM_BLOCKS, bs, H, D, generator=g).to(dtype) for _ in range(L)]
-    for c, k, v in zip(caches, ks, vs, strict=True):
-        write_kv(kind, c, k, v, bs)
-    paged = PagedKV(caches, bs, layout, "CPU_ATTN" if kind == "cpu" else "FLASH_ATTN")
-    payload = torch.empty(layout.chunk_bytes(chunk), dtype=torch.uint8)
-    paged.gather(payload, src_blocks)
-    canon = payload.view(dtype).view(layout.chunk_shape(chunk))
-    for li in range(L):
-        assert torch.equal(canon[li, 0], ks[li][src_blocks].reshape(chunk, H, D))
-        assert torch.equal(canon[li, 1], vs[li][src_blocks].reshape(chunk, H, D))
-    untouched = [i for i in range(NUM_BLOCKS) if i not in dst_blocks]
-    before = [read_kv(kind, c, bs) for c in caches]
-    before = [(k[untouched].clone(), v[untouched].clone()) for k, v in before]
-    paged.scatter(payload, dst_blocks, 0, chunk)
-    for li in range(L):
-        k, v = read_kv(kind, caches[li], bs)
-        assert torch.equal(k[dst_blocks], ks[li][src_blocks])
-        assert torch.equal(v[dst_blocks], vs[li][src_blocks])
-        assert torch.equal(k[untouched], before[li][0]) and torch.equal(v[untouched], before[li][1])
+    round_trip(kind, 16, torch.bfloat16, src_blocks, dst_blocks, seed=7)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "gpu-token-major"])

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpkv.cli.serve import serve_env, vllm_command
+from hpkv.core.procs import stop_group
 from hpkv.integrations.vllm.statsfile import read_all
 
 
@@ -34,6 +33,7 @@ class Server:
     kv_role: str = "kv_both"
     connector_json: str | None = None  # the seed's exact --kv-transfer-config, when set
     vllm_args: list[str] = field(default_factory=list)
+    python: str = sys.executable  # the interpreter vLLM runs under (a peer's environment)
     proc: subprocess.Popen[bytes] | None = None
 
     def command(self) -> list[str]:
@@ -43,7 +43,7 @@ class Server:
             block_size=self.block_size,
             kv_role=self.kv_role,
             vllm_args=self.vllm_args,
-            python=sys.executable,
+            python=self.python,
         )
         if self.connector_json is not None:
             i = cmd.index("--kv-transfer-config")
@@ -80,15 +80,7 @@ class Server:
         raise ServerError(f"vLLM did not become ready in {timeout:.0f} s; see {self.log_path}")
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
+        stop_group(self.proc, timeout=60)
         self.proc = None
 
     def restart(self) -> None:
@@ -180,6 +172,31 @@ class Server:
         if not tiers and not conn:
             raise ServerError("the server's /metrics has no hpkv counters: is hpkv's connector running?")
         return {"tiers": tiers, "connector": conn}
+
+    def engine_counters(self) -> dict[str, int]:
+        """vLLM's own prefix-cache counters from ``/metrics`` (tokens): ``prefix_cache_hits`` (its
+        GPU/engine cache) and ``external_prefix_cache_hits`` (what a KV connector supplied), summed over
+        engines. They prove a peer's rows, where hpkv's counters do not apply."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        status, body = self.request("GET", "/metrics", timeout=30)
+        if status != 200:
+            raise ServerError(f"/metrics answered {status}")
+        out: dict[str, int] = {}
+        for fam in text_string_to_metric_families(body.decode()):
+            for sample in fam.samples:
+                name = sample.name.removeprefix("vllm:").removesuffix("_total")
+                if name in ENGINE_COUNTERS:
+                    out[name] = out.get(name, 0) + int(sample.value)
+        return out
+
+
+ENGINE_COUNTERS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "external_prefix_cache_queries",
+    "external_prefix_cache_hits",
+)
 
 
 def counter(stats: Mapping[str, Any], tier: str, name: str) -> int:

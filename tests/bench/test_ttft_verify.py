@@ -1,0 +1,74 @@
+"""The TTFT benchmark's verdicts: a row counts only when the counters show the tier it claims."""
+
+from __future__ import annotations
+
+from hpkv.bench.ttft import Expect, verify_engine, verify_hpkv
+
+E = Expect(prompts=2, chunks=4, tokens=1100, block_size=64)
+
+
+def hp(**kw: int) -> dict[str, int]:
+    d = dict.fromkeys(
+        ("loaded_tokens", "stored_tokens", "memory_hits", "memory_promotions", "storage_hits",
+         "page_cache_reads", "valkey_hits", "memory_bytes_read", "prefix_cache_hits",
+         "external_prefix_cache_hits"),
+        0,
+    )  # fmt: skip
+    d.update(kw)
+    return d
+
+
+def test_memory_row_served_by_the_engine_cache_is_invalid() -> None:
+    # The prefix cache was not reset: vLLM served the prompts itself, hpkv's pool saw nothing.
+    ok, proof = verify_hpkv("memory", hp(prefix_cache_hits=2 * 1088, loaded_tokens=2 * 12), E)
+    assert not ok and "memory pool hits 0/8" in proof and "engine cache hits 2176" in proof
+    # Even with every chunk counted, an engine-cache hit in the same row makes it invalid.
+    assert not verify_hpkv("memory", hp(memory_hits=8, prefix_cache_hits=64), E)[0]
+    assert verify_hpkv("memory", hp(memory_hits=8, loaded_tokens=2 * 1099), E)[0]
+
+
+def test_memory_row_that_promoted_from_storage_is_invalid() -> None:
+    assert not verify_hpkv("memory", hp(memory_hits=8, memory_promotions=3, storage_hits=3), E)[0]
+
+
+def test_storage_rows() -> None:
+    warm = hp(storage_hits=8, memory_promotions=8, memory_hits=8, page_cache_reads=8)
+    assert verify_hpkv("storage", warm, E)[0]
+    ok, proof = verify_hpkv("storage-cold", warm, E)
+    assert not ok and "8 read from the page cache" in proof  # the cold row must not hit the page cache
+    assert verify_hpkv("storage-cold", hp(storage_hits=8, memory_promotions=8, memory_hits=8), E)[0]
+    assert not verify_hpkv("storage", hp(storage_hits=7, memory_promotions=7, memory_hits=8), E)[0]
+
+
+def test_mixed_needs_both_tiers() -> None:
+    e = Expect(2, 4, 1100, in_memory=2)
+    assert verify_hpkv("mixed", hp(memory_hits=8, storage_hits=4, memory_promotions=4), e)[0]
+    assert not verify_hpkv("mixed", hp(memory_hits=8, storage_hits=8, memory_promotions=8), e)[0]
+    assert not verify_hpkv("mixed", hp(memory_hits=8), e)[0]
+
+
+def test_valkey_row_needs_one_get_per_chunk() -> None:
+    assert verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=8), E)[0]
+    assert not verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=16), E)[0]  # an EXISTS per chunk too
+    assert not verify_hpkv("valkey", hp(valkey_hits=8, storage_hits=1, keyspace_hits=8), E)[0]
+
+
+def test_prefill_and_gpu_rows() -> None:
+    assert verify_hpkv("prefill", hp(stored_tokens=2048), E)[0]
+    assert not verify_hpkv("prefill", hp(stored_tokens=2048, loaded_tokens=256), E)[0]
+    assert verify_hpkv("gpu", hp(prefix_cache_hits=2 * 1088, loaded_tokens=2 * 11), E)[0]
+    assert not verify_hpkv("gpu", hp(prefix_cache_hits=0, memory_hits=8, loaded_tokens=2 * 1099), E)[0]
+
+
+def test_peer_rows_from_vllm_counters() -> None:
+    assert verify_engine("prefill", {"prefix_cache_hits": 0, "external_prefix_cache_hits": 0}, E)[0]
+    assert verify_engine("gpu", {"prefix_cache_hits": 2 * 1088}, E)[0]
+    hit = {"prefix_cache_hits": 0, "external_prefix_cache_hits": 2 * 1099}
+    ok, proof = verify_engine("memory", hit, E, "LMCache's L1")
+    assert ok and proof.endswith("; LMCache's L1")
+    # Not reset: the engine's own cache served the memory row.
+    assert not verify_engine("memory", {"prefix_cache_hits": 2 * 1088, "external_prefix_cache_hits": 0}, E)[0]
+    # The connector supplied only part of each prompt.
+    assert not verify_engine("storage", {"prefix_cache_hits": 0, "external_prefix_cache_hits": 2 * 512}, E)[0]
+    assert not verify_engine("valkey", dict(hit, keyspace_hits=0), E)[0]
+    assert verify_engine("valkey", dict(hit, keyspace_hits=8), E)[0]
