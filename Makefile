@@ -26,13 +26,13 @@ tls-server:
 	  echo "could not install redis-server: the TLS test will fail; install it (apt-get install redis-server)"
 
 # Everything: unit tests, then the end-to-end tests against a real vLLM server.
-test: $(STAMP) tls-server peers
+test: $(STAMP) tls-server $(PEERS_STAMP)
 	$(BIN)/python -m pytest -q tests
 
 test-unit: $(STAMP) tls-server
 	$(BIN)/python -m pytest -q tests --ignore=tests/e2e
 
-test-e2e: $(STAMP) peers
+test-e2e: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m pytest -q tests/e2e
 
 lint: $(STAMP)
@@ -45,14 +45,19 @@ demo: $(STAMP)
 
 # Peers for the comparison (LMCache), in their own venv layered over .venv (vLLM and torch come from there).
 PEERS := .venv-peers
-peers: $(STAMP)
+PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
+$(PEERS_STAMP): $(STAMP)
 	test -x $(PEERS)/bin/python || $(BIN)/python -m venv --without-pip $(PEERS)
-	$(BIN)/pip install -q --no-deps --target $$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") -r requirements-peers.txt
+	$(BIN)/pip install -q --no-deps --upgrade --target $$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") -r requirements-peers.txt
 	$(BIN)/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
 	  > $$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/hpkv-base.pth
+	rm -f $(PEERS)/.installed-*
+	touch $@
+
+peers: $(PEERS_STAMP)
 
 # hpkv next to its peers on the demo model: vLLM alone, vLLM's OffloadingConnector, LMCache.
-compare: $(STAMP) peers
+compare: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/hpkv bench ttft --compare hpkv,none,native,lmcache --out out/compare
 
 bench-tiers: $(STAMP)

@@ -72,3 +72,21 @@ def test_peer_rows_from_vllm_counters() -> None:
     assert not verify_engine("storage", {"prefix_cache_hits": 0, "external_prefix_cache_hits": 2 * 512}, E)[0]
     assert not verify_engine("valkey", dict(hit, keyspace_hits=0), E)[0]
     assert verify_engine("valkey", dict(hit, keyspace_hits=8), E)[0]
+
+
+def test_a_failed_start_is_reported_by_its_root_cause() -> None:
+    from hpkv.bench.ttft import _first_error
+
+    log = "\n".join(
+        [
+            "(APIServer pid=1) WARNING [system_utils.py:255] This can cause fd limit errors like "
+            "`OSError: [Errno 24] Too many open files`",
+            "Traceback (most recent call last):",
+            "    raise RuntimeError(",
+            "(EngineCore pid=2) ERROR 11-30 13:24:32 [core.py:1510] RuntimeError: Worker failed with error "
+            "'CPU Offloading is currently only supported on CUDA-alike and XPU GPUs', please check",
+            "RuntimeError: Engine core initialization failed. See root cause above.",
+        ]
+    )
+    assert _first_error(log).startswith("RuntimeError: Worker failed with error 'CPU Offloading")
+    assert _first_error("no exception here") == "no exception here"

@@ -578,7 +578,7 @@ class _Runner:
                 self.lmcache.start()
             self.server.start()
         except (ServerError, RuntimeError) as e:
-            self.out.error = _first_error(str(e))
+            self.out.error = _first_error(str(e) + "\n" + self.server.log_tail(400))
             print(f"[{self.system}] could not start: {self.out.error}", flush=True)
             return False
         return True
@@ -780,10 +780,21 @@ def _prefix(prompt: str, tokens: int) -> str:
 
 
 def _first_error(text: str) -> str:
-    for line in text.splitlines():
-        if "Error" in line or "error" in line:
-            return line.strip()[-300:]
-    return text.strip().splitlines()[0][-300:] if text.strip() else "unknown error"
+    """The root cause in a failed start's log tail: the first ``SomeError: message`` line (an
+    exception as Python prints it), else the first line that mentions an error."""
+    import re
+
+    lines = [ln.strip() for ln in text.splitlines()]
+    # A traceback's last line, alone or after a log line's "ERROR ... [file.py:N] " prefix.
+    exc = re.compile(r"^(?:.*\bERROR\b.*?\] )?([\w.]*(?:Error|Exception): .+)$")
+    found = [m.group(1) for ln in lines if (m := exc.match(ln))]
+    # vLLM re-raises a worker's failure as "... See root cause above": prefer the cause itself.
+    for msg in sorted(found, key=lambda m: "root cause above" in m):
+        return msg[:300]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[-300:]
+    return lines[0][-300:] if text.strip() else "unknown error"
 
 
 def _print_system(x: System, kv_bytes: int, label: bool) -> None:

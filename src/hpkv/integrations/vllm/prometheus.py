@@ -45,6 +45,7 @@ def install_collector() -> None:
                 "evictions",
                 "errors",
                 "promotions",
+                "page_cache_reads",
             )
             gauges = ("used_bytes", "capacity_bytes", "chunks")
             fams: dict[str, Any] = {}
