@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# Peers for `make compare` and the e2e comparison test (LMCache), in their own venv layered over .venv.
+PEERS := .venv-peers
+PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
 .PHONY: venv test test-unit test-e2e test-gpu lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
@@ -43,9 +46,7 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/hpkv bench ttft --out out/demo
 
-# Peers for the comparison (LMCache), in their own venv layered over .venv (vLLM and torch come from there).
-PEERS := .venv-peers
-PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# vLLM and torch come from .venv through a .pth file; LMCache and its few extra modules live here alone.
 $(PEERS_STAMP): $(STAMP)
 	test -x $(PEERS)/bin/python || $(BIN)/python -m venv --without-pip $(PEERS)
 	$(BIN)/pip install -q --no-deps --upgrade --target $$($(PEERS)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") -r requirements-peers.txt
