@@ -182,15 +182,17 @@ def test_metrics_endpoint_and_stats_command(server: Server) -> None:
 def test_benchmark_marks_a_memory_row_invalid_when_the_engine_served_it(server: Server) -> None:
     """The TTFT benchmark's proof: without /reset_prefix_cache the engine's own cache answers,
     so a row claiming "memory" must come out INVALID rather than be reported."""
-    from hpkv.bench.ttft import letter_prompts, run_scenario
+    from hpkv.bench.ttft import Expect, letter_prompts, run_scenario
 
     prompts = letter_prompts(2, 1024)
     log: list[dict[str, object]] = []
-    run_scenario(server, "prefill", prompts, 0.0, 4, log)
-    row = run_scenario(server, "memory", prompts, 0.0, 4, log)  # no reset: a GPU hit in disguise
+    expect = Expect(prompts=2, chunks=4, tokens=1024, block_size=BLOCK)
+    run_scenario(server, "prefill", prompts, 0.0, expect, log)
+    row = run_scenario(server, "memory", prompts, 0.0, expect, log)  # no reset: a GPU hit in disguise
     assert not row.valid and row.proof.startswith("INVALID")
+    assert row.deltas["prefix_cache_hits"] > 0  # vLLM's own counter says who served it
     server.reset_prefix_cache()
-    row = run_scenario(server, "memory", prompts, 0.0, 4, log)
+    row = run_scenario(server, "memory", prompts, 0.0, expect, log)
     assert row.valid, row.proof
 
 

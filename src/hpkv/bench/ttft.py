@@ -865,8 +865,10 @@ def _chart(results: list[System], path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "not drawn (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
     names = [s for s in SCENARIOS if any(r.scenario == s for x in results for r in x.rows)]
+    if not names:
+        return "not drawn (no system produced a row)"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(1, len(results))
     for k, x in enumerate(results):
         med = {r.scenario: r.median for r in x.rows}
