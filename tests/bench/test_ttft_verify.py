@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpkv.bench.ttft import Expect, verify_engine, verify_hpkv
+from hpkv.bench.verify import Expect, verify_engine, verify_hpkv
 
 E = Expect(prompts=2, chunks=4, tokens=1100, block_size=64)
 
@@ -75,7 +75,7 @@ def test_peer_rows_from_vllm_counters() -> None:
 
 
 def test_a_failed_start_is_reported_by_its_root_cause() -> None:
-    from hpkv.bench.ttft import _first_error
+    from hpkv.bench.report import first_error as _first_error
 
     log = "\n".join(
         [

@@ -182,7 +182,8 @@ def test_metrics_endpoint_and_stats_command(server: Server) -> None:
 def test_benchmark_marks_a_memory_row_invalid_when_the_engine_served_it(server: Server) -> None:
     """The TTFT benchmark's proof: without /reset_prefix_cache the engine's own cache answers,
     so a row claiming "memory" must come out INVALID rather than be reported."""
-    from hpkv.bench.ttft import Expect, letter_prompts, run_scenario
+    from hpkv.bench.ttft import letter_prompts, run_scenario
+    from hpkv.bench.verify import Expect
 
     prompts = letter_prompts(2, 1024)
     log: list[dict[str, object]] = []

@@ -43,45 +43,25 @@ prompt, the engine's own cache did not) and by what the run left in each tier.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import random
 import shutil
-import statistics
 import string
 import sys
 import tempfile
 import time
 import urllib.parse
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Any
 
-import torch
+from hpkv.bench.refs import drop_page_cache, memcpy_gbps, raw_glide_gbps, raw_read_gbps
+from hpkv.bench.report import chart, first_error, kv_bytes_per_prompt, print_comparison, print_system
+from hpkv.bench.server import Server, ServerError
+from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, delta, verify_engine, verify_hpkv
 
-from hpkv.bench.server import Server, ServerError, counter
-
-SCENARIOS = ("prefill", "gpu", "memory", "storage", "storage-cold", "mixed", "valkey")
-HITS = ("memory", "storage", "storage-cold", "mixed", "valkey")
 CHUNK = 256
-
-
-@dataclass
-class Row:
-    scenario: str
-    ttfts: list[float]
-    valid: bool
-    proof: str
-    deltas: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.ttfts)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.ttfts)
 
 
 def model_dtype(model: str) -> str:
@@ -97,110 +77,6 @@ def model_dtype(model: str) -> str:
 
 def letter_prompts(n: int, tokens: int) -> list[str]:
     return [" ".join([chr(ord("A") + i % 26)] * tokens) for i in range(n)]
-
-
-def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
-    """Single-thread memcpy of ``nbytes`` (the reference for the memory tier's load rate)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
-    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9
-
-
-def delta(before: dict[str, Any], after: dict[str, Any], tier: str, name: str) -> int:
-    return counter(after, tier, name) - counter(before, tier, name)
-
-
-@dataclass(frozen=True)
-class Expect:
-    """What a scenario over ``prompts`` prompts must show: ``chunks`` chunks a hit loads per
-    prompt, ``in_memory`` of them already in the pool (mixed), ``ranks`` TP ranks."""
-
-    prompts: int
-    chunks: int
-    tokens: int
-    block_size: int = 64
-    ranks: int = 1
-    in_memory: int = 0
-
-
-def verify_hpkv(name: str, d: dict[str, int], e: Expect) -> tuple[bool, str]:
-    """Whether hpkv's counter deltas ``d`` show the tier scenario ``name`` claims, and the proof."""
-    n, need, ranks = e.prompts, e.prompts * e.chunks, e.ranks
-    engine = d.get("prefix_cache_hits", 0)
-    if name == "prefill":
-        ok = d["loaded_tokens"] == 0 and d["stored_tokens"] > 0 and engine == 0
-        return ok, f"hpkv loaded 0 tokens and stored {d['stored_tokens']}; engine cache hits {engine}"
-    if name == "gpu":
-        # The engine keeps whole blocks only; hpkv may supply the prompt's last partial block.
-        ok = (
-            d["loaded_tokens"] <= n * e.block_size
-            and d["memory_promotions"] == 0
-            and engine >= n * (e.tokens - 2 * e.block_size)
-        )
-        return ok, (
-            f"the engine's prefix cache served {engine} tokens (hpkv supplied {d['loaded_tokens']}, "
-            f"at most one partial block per prompt)"
-        )
-    # A hit row: hpkv must have supplied the prompt, not the engine's own cache.
-    own = f"; engine cache hits {engine}" if engine else ""
-    if name == "memory":
-        ok = d["memory_hits"] == need and d["memory_promotions"] == 0 and d["storage_hits"] == 0
-        proof = (
-            f"memory pool hits {d['memory_hits']}/{need} chunks, "
-            f"promotions from storage {d['memory_promotions']}"
-        )
-    elif name in ("storage", "storage-cold"):
-        cached = d.get("page_cache_reads", 0)
-        ok = d["storage_hits"] == need * ranks and d["memory_promotions"] == need
-        if name == "storage-cold":
-            ok = ok and cached == 0
-        proof = (
-            f"storage hits {d['storage_hits']}/{need * ranks} chunks, all staged through memory, "
-            f"{cached} read from the page cache"
-        )
-    elif name == "mixed":
-        rest = n * (e.chunks - e.in_memory)
-        ok = (
-            d["memory_hits"] == need
-            and d["storage_hits"] == rest * ranks
-            and d["memory_promotions"] == rest
-            and 0 < rest < need
-        )
-        proof = (
-            f"{need - d['memory_promotions']}/{need} chunks already in memory, "
-            f"{d['storage_hits']} from storage"
-        )
-    else:  # valkey
-        gets = d.get("keyspace_hits", need * ranks)
-        ok = d["valkey_hits"] == need * ranks and d["storage_hits"] == 0 and gets == need * ranks
-        proof = f"valkey hits {d['valkey_hits']}/{need * ranks} chunks, storage hits {d['storage_hits']}" + (
-            f", keyspace_hits +{gets} (one GET per chunk)" if "keyspace_hits" in d else ""
-        )
-    return ok and engine == 0, proof + own
-
-
-def verify_engine(name: str, d: dict[str, int], e: Expect, where: str = "") -> tuple[bool, str]:
-    """A peer's row from vLLM's own counters: the engine's cache served the GPU row; on a hit row
-    the connector supplied all but at most the last block of each prompt and the engine's cache
-    nothing. ``where``: what the run left in the peer's tiers (the tier claim)."""
-    n = e.prompts
-    own, ext = d.get("prefix_cache_hits", 0), d.get("external_prefix_cache_hits", 0)
-    if name == "prefill":
-        return own == 0 and ext == 0, f"vLLM: engine cache hits {own}, connector hits {ext} tokens"
-    if name == "gpu":
-        ok = own >= n * (e.tokens - 2 * e.block_size)
-        return ok, f"vLLM: the engine's prefix cache served {own} tokens"
-    ok = own == 0 and ext >= n * (e.tokens - 2 * e.block_size)
-    proof = f"vLLM: the connector supplied {ext} tokens, the engine's cache {own}"
-    if "keyspace_hits" in d:
-        ok = ok and d["keyspace_hits"] > 0
-        proof += f", keyspace_hits +{d['keyspace_hits']}"
-    return ok, proof + (f"; {where}" if where else "")
 
 
 def run_scenario(
@@ -276,18 +152,6 @@ def random_prompts(model: str, n: int, tokens: int) -> list[str]:
             "".join(random.Random(i).choice(string.ascii_lowercase) for _ in range(6)) for i in range(5000)
         ]
     return [" ".join(random.Random(1000 + i).choice(words) for _ in range(tokens)) for i in range(n)]
-
-
-@dataclass
-class System:
-    """One system's run: its rows, or why it could not run."""
-
-    name: str
-    rows: list[Row] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-    error: str = ""
-    # scenario -> (what the reference is, its GB/s), measured in the same run on the same data
-    refs: dict[str, tuple[str, float]] = field(default_factory=dict)
 
 
 PEER_JSON = {
@@ -373,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in systems:
         results.append(_Runner(args, name, model, prompts, expect, log).run(scenarios))
 
-    kv_bytes = max((_kv_bytes_per_prompt(x.rows, args.prompts) for x in results), default=0)
+    kv_bytes = max((kv_bytes_per_prompt(x.rows, args.prompts) for x in results), default=0)
     ref = memcpy_gbps(kv_bytes or (48 << 20))
     print()
     print(
@@ -383,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     for x in results:
         if x.name == "hpkv" or "memory" not in x.refs:
             x.refs.setdefault("memory", ("single-thread memcpy of one prompt's KV", ref))
-        _print_system(x, kv_bytes, len(results) > 1)
+        print_system(x, kv_bytes, len(results) > 1)
     print(
         "load rate = KV bytes per prompt / (median TTFT - median GPU-hit TTFT); x ref = load rate / the "
         "reference measured in this run on the same data:"
@@ -393,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             if x.rows and any(r.scenario == scen for r in x.rows):
                 print(f"  {x.name} {scen}: {what}: {gbps:.2f} GB/s")
     if len(results) > 1:
-        _print_comparison(results)
+        print_comparison(results)
     result = {
         "model": model,
         "url": args.url,
@@ -418,8 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"every request: {path}")
-    chart = _chart(results, os.path.join(args.out, "ttft.png"))
-    print(f"chart: {chart}")
+    drawn = chart(results, os.path.join(args.out, "ttft.png"))
+    print(f"chart: {drawn}")
     hp = next((x for x in results if x.name == "hpkv"), None)
     return 0 if hp is None or (not hp.error and all(r.valid for r in hp.rows)) else 1
 
@@ -494,7 +358,7 @@ class _Runner:
                     if self.system == "hpkv" and row.valid:
                         self._reference(name)
         except (ServerError, RuntimeError, OSError) as e:
-            self.out.error = self.out.error or _first_error(str(e))
+            self.out.error = self.out.error or first_error(str(e))
             print(f"[{self.system}] stopped: {self.out.error}", flush=True)
         finally:
             self._stop_all()
@@ -578,7 +442,7 @@ class _Runner:
                 self.lmcache.start()
             self.server.start()
         except (ServerError, RuntimeError) as e:
-            self.out.error = _first_error(str(e) + "\n" + self.server.log_tail(400))
+            self.out.error = first_error(str(e) + "\n" + self.server.log_tail(400))
             print(f"[{self.system}] could not start: {self.out.error}", flush=True)
             return False
         return True
@@ -586,15 +450,19 @@ class _Runner:
     def _storage_dir(self) -> str:
         return os.path.join(self.work, "storage")
 
-    def _restart(self, *, empty_storage: bool = False, valkey_only: bool = False) -> None:
+    def _restart(
+        self, *, empty_storage: bool = False, valkey_only: bool = False, drop_cache: bool = False
+    ) -> None:
         """Restart the engine (and LMCache's server: its L1 empties); optionally empty the storage tier
-        first, and give LMCache only its Valkey adapter."""
+        first or drop its files from the page cache, and give LMCache only its Valkey adapter."""
         assert self.server is not None
         self.server.stop()
         if self.lmcache is not None:
             self.lmcache.stop()
         if empty_storage:
             shutil.rmtree(self._storage_dir(), ignore_errors=True)
+        if drop_cache:
+            drop_page_cache(self._storage_dir())
         if self.lmcache is not None:
             if valkey_only:
                 self.lmcache.fs_dir = None
@@ -628,11 +496,7 @@ class _Runner:
         elif name == "storage-cold":
             bar.write(f"[{self.system}] memory emptied, storage files dropped from the page cache")
             if lm:
-                self.lmcache.stop()
-                self.server.stop()  # type: ignore[union-attr]
-                drop_page_cache(self._storage_dir())
-                self.lmcache.start()
-                self.server.start()  # type: ignore[union-attr]
+                self._restart(drop_cache=True)
             else:
                 server.reset_prefix_cache(external=True)
                 drop_page_cache(self._storage_dir())
@@ -687,213 +551,9 @@ def _gib(size: str) -> float:
     return parse_size(size) / 2**30
 
 
-def drop_page_cache(root: str) -> int:
-    """Drop every file under ``root`` from the page cache (written back first); returns the count."""
-    n = 0
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                n += 1
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-    return n
-
-
-def raw_read_gbps(root: str, count: int, threads: int, *, cold: bool, repeat: int = 3) -> float:
-    """Read ``count`` of the files under ``root`` whole, ``threads`` at a time: buffered from the page
-    cache (read once first), or with O_DIRECT after dropping them from it. Median GB/s."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
-
-    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith("."))[
-        :count
-    ]
-    if not files:
-        raise RuntimeError(f"no files under {root}")
-    size = max(os.path.getsize(f) for f in files)
-    bufs = [memoryview(mmap.mmap(-1, -(-size // 4096) * 4096)) for _ in files]
-    flags = os.O_RDONLY | (os.O_DIRECT if cold else 0)
-
-    def read(i: int) -> int:
-        fd = os.open(files[i], flags)
-        try:
-            return os.preadv(fd, [bufs[i]], 0)
-        finally:
-            os.close(fd)
-
-    rates = []
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(read, range(len(files))))  # touch the buffers; warm the page cache
-        for _ in range(repeat):
-            if cold:
-                drop_page_cache(root)
-            t0 = time.perf_counter()
-            total = sum(pool.map(read, range(len(files))))
-            rates.append(total / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
-
-
-def raw_glide_gbps(valkey: Any, count: int, workers: int, repeat: int = 3) -> float:
-    """GET ``count`` of the server's hpkv keys into preallocated buffers with GLIDE, one client per
-    thread (the loop hpkv's tier is built on, without its queue and checks). Median GB/s."""
-    import mmap
-
-    from hpkv.bench.valkey_tier import _raw_glide
-
-    conn = valkey.admin(0)
-    try:
-        keys: list[Any] = []
-        cursor: Any = b"0"
-        while len(keys) < count:
-            cursor, page = conn.command("SCAN", cursor, "MATCH", "hpkv:*", "COUNT", "1000")
-            keys += list(page)
-            if int(cursor) == 0:
-                break
-        keys = keys[:count]
-        if not keys:
-            raise RuntimeError("no hpkv keys in the valkey server")
-        size = max(int(conn.command("STRLEN", k)) for k in keys)
-    finally:
-        conn.close()
-    bufs = [memoryview(mmap.mmap(-1, size)) for _ in keys]
-    nodes = tuple(("127.0.0.1", n.port) for n in valkey.nodes)
-    run = _raw_glide(nodes, [bytes(k) for k in keys], bufs, workers, size)
-    rates = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        run()
-        rates.append(len(keys) * size / (time.perf_counter() - t0) / 1e9)
-    return statistics.median(rates)
-
-
 def _prefix(prompt: str, tokens: int) -> str:
     """The first ``tokens`` tokens of a prompt of single-token words."""
     return " ".join(prompt.split(" ")[:tokens])
-
-
-def _first_error(text: str) -> str:
-    """The root cause in a failed start's log tail: the first ``SomeError: message`` line (an
-    exception as Python prints it), else the first line that mentions an error."""
-    import re
-
-    lines = [ln.strip() for ln in text.splitlines()]
-    # A traceback's last line, alone or after a log line's "ERROR ... [file.py:N] " prefix.
-    exc = re.compile(r"^(?:.*\bERROR\b.*?\] )?([\w.]*(?:Error|Exception): .+)$")
-    found = [m.group(1) for ln in lines if (m := exc.match(ln))]
-    # vLLM re-raises a worker's failure as "... See root cause above": prefer the cause itself.
-    for msg in sorted(found, key=lambda m: "root cause above" in m):
-        return msg[:300]
-    for ln in lines:
-        if "error" in ln.lower():
-            return ln[-300:]
-    return lines[0][-300:] if text.strip() else "unknown error"
-
-
-def _print_system(x: System, kv_bytes: int, label: bool) -> None:
-    if label:
-        print(f"\n== {x.name} ==")
-    if x.error:
-        print(f"could not run here: {x.error}")
-        if not x.rows:
-            return
-    base = next((r for r in x.rows if r.scenario == "prefill"), None)
-    gpu = next((r for r in x.rows if r.scenario == "gpu"), None)
-    print(
-        f"{'scenario':12} {'mean TTFT':>10} {'median':>9} {'speedup':>9} {'load rate':>11} "
-        f"{'x ref':>6}  proof"
-    )
-    for r in x.rows:
-        sp = f"{base.mean / r.mean:8.2f}x" if base and r.valid else "        -"
-        rate, vs = "", ""
-        if r.scenario in HITS and gpu and r.valid and r.median > gpu.median:
-            gbps = kv_bytes / (r.median - gpu.median) / 1e9
-            rate = f"{gbps:6.2f} GB/s"
-            if x.refs.get(r.scenario, ("", 0.0))[1] > 0:
-                vs = f"{gbps / x.refs[r.scenario][1]:5.2f}x"
-        print(f"{r.scenario:12} {r.mean:9.4f}s {r.median:8.4f}s {sp} {rate:>11} {vs:>6}  {r.proof}")
-    for s, why in x.skipped:
-        print(f"{s:12} skipped: {why}")
-
-
-def _print_comparison(results: list[System]) -> None:
-    """Median TTFT per scenario side by side, and hpkv's ratio to each peer (< 1: hpkv is faster)."""
-    ran = [x for x in results if x.rows]
-    print("\n== side by side: median TTFT (s); hpkv / peer < 1 means hpkv is faster ==")
-    hp = next((x for x in ran if x.name == "hpkv"), None)
-    head = f"{'scenario':12}" + "".join(f"{x.name:>12}" for x in ran)
-    peers = [x for x in ran if x.name != "hpkv"] if hp else []
-    head += "".join(f"{'hpkv/' + x.name:>14}" for x in peers)
-    print(head)
-    for scen in SCENARIOS:
-        cells = []
-        med: dict[str, float] = {}
-        for x in ran:
-            r = next((r for r in x.rows if r.scenario == scen), None)
-            if r is None:
-                cells.append(f"{'-':>12}")
-            elif not r.valid:
-                cells.append(f"{'invalid':>12}")
-            else:
-                med[x.name] = r.median
-                cells.append(f"{r.median:12.4f}")
-        if not med:
-            continue
-        line = f"{scen:12}" + "".join(cells)
-        for x in peers:
-            ratio = med["hpkv"] / med[x.name] if "hpkv" in med and x.name in med else None
-            line += f"{ratio:13.2f}x" if ratio else f"{'-':>14}"
-        print(line)
-    for x in results:
-        if x.error:
-            print(f"{x.name}: could not run here: {x.error}")
-
-
-def _chart(results: list[System], path: str) -> str:
-    """A bar chart of median TTFT per scenario (and system); returns the path or why there is none."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "not drawn (pip install matplotlib)"
-    names = [s for s in SCENARIOS if any(r.scenario == s for x in results for r in x.rows)]
-    if not names:
-        return "not drawn (no system produced a row)"
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / max(1, len(results))
-    for k, x in enumerate(results):
-        med = {r.scenario: r.median for r in x.rows}
-        xs = [i + k * width for i, s in enumerate(names) if s in med]
-        ys = [med[s] for s in names if s in med]
-        bars = ax.bar(xs, ys, width, label=x.name)
-        ax.bar_label(bars, labels=[f"{y:.3f}s" for y in ys], fontsize=7)
-    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(names))], names)
-    ax.set_yscale("log")
-    ax.set_ylabel("median TTFT (s, log scale)")
-    ax.set_title("hpkv bench ttft")
-    if len(results) > 1:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _kv_bytes_per_prompt(rows: list[Row], prompts: int) -> int:
-    """KV bytes one hit loads per prompt, from the memory tier's byte counter."""
-    for r in rows:
-        if r.scenario in ("memory", "storage") and r.deltas.get("memory_bytes_read"):
-            return r.deltas["memory_bytes_read"] // max(prompts, 1)
-    return 0
 
 
 if __name__ == "__main__":

@@ -95,7 +95,7 @@ def _run(nodes: tuple[tuple[str, int], ...], chunks: int, repeat: int, workers: 
     bufs = _buffers(chunks, rec_bytes + 4096)
     rows = []
     for n in workers:
-        raw = _raw_glide(nodes, names, bufs, n, rec_bytes)
+        raw = raw_glide_loop(nodes, names, bufs, n, rec_bytes)
         conn = ValkeyConnection(ValkeySettings(nodes=nodes, num_workers=n))
         t = ValkeyTier(conn, PAYLOAD, NS)
         callers = ThreadPoolExecutor(n)
@@ -136,7 +136,7 @@ def _run(nodes: tuple[tuple[str, int], ...], chunks: int, repeat: int, workers: 
     return 0
 
 
-def _raw_glide(
+def raw_glide_loop(
     nodes: tuple[tuple[str, int], ...], names: list[bytes], bufs: list[memoryview], n: int, size: int
 ) -> Callable[[], None]:
     """N threads, each with its own client, GET with buffer= into preallocated memory."""

@@ -1,0 +1,116 @@
+"""References for the TTFT benchmark's load rates, measured in the same run on the same data:
+single-thread memcpy (memory), raw reads of the storage tier's files (buffered from the page cache, or
+O_DIRECT after dropping them from it), a raw GLIDE GET loop over the valkey tier's keys."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import statistics
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+def memcpy_gbps(nbytes: int, repeat: int = 5) -> float:
+    """Single-thread memcpy of ``nbytes`` (the reference for the memory tier's load rate)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8).fill_(0)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def drop_page_cache(root: str) -> int:
+    """Drop every file under ``root`` from the page cache (written back first); returns the count."""
+    return drop_files(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs)
+
+
+def drop_files(paths: Iterable[str]) -> int:
+    """Drop these files from the page cache (written back first); returns how many were dropped."""
+    n = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            n += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return n
+
+
+def raw_read_gbps(root: str, count: int, threads: int, *, cold: bool, repeat: int = 3) -> float:
+    """Read ``count`` of the files under ``root`` whole, ``threads`` at a time: buffered from the page
+    cache (read once first), or with O_DIRECT after dropping them from it. Median GB/s."""
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if not f.startswith("."))[
+        :count
+    ]
+    if not files:
+        raise RuntimeError(f"no files under {root}")
+    size = max(os.path.getsize(f) for f in files)
+    bufs = [memoryview(mmap.mmap(-1, -(-size // 4096) * 4096)) for _ in files]
+    flags = os.O_RDONLY | (os.O_DIRECT if cold else 0)
+
+    def read(i: int) -> int:
+        fd = os.open(files[i], flags)
+        try:
+            return os.preadv(fd, [bufs[i]], 0)
+        finally:
+            os.close(fd)
+
+    rates = []
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(read, range(len(files))))  # touch the buffers; warm the page cache
+        for _ in range(repeat):
+            if cold:
+                drop_files(files)  # only the files it reads, not the whole tier
+            t0 = time.perf_counter()
+            total = sum(pool.map(read, range(len(files))))
+            rates.append(total / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def raw_glide_gbps(valkey: Any, count: int, workers: int, repeat: int = 3) -> float:
+    """GET ``count`` of the server's hpkv keys into preallocated buffers with GLIDE, one client per
+    thread (the loop hpkv's tier is built on, without its queue and checks). Median GB/s."""
+    import mmap
+
+    from hpkv.bench.valkey_tier import raw_glide_loop
+
+    conn = valkey.admin(0)
+    try:
+        keys: list[Any] = []
+        cursor: Any = b"0"
+        while len(keys) < count:
+            cursor, page = conn.command("SCAN", cursor, "MATCH", "hpkv:*", "COUNT", "1000")
+            keys += list(page)
+            if int(cursor) == 0:
+                break
+        keys = keys[:count]
+        if not keys:
+            raise RuntimeError("no hpkv keys in the valkey server")
+        size = max(int(conn.command("STRLEN", k)) for k in keys)
+    finally:
+        conn.close()
+    bufs = [memoryview(mmap.mmap(-1, size)) for _ in keys]
+    nodes = tuple(("127.0.0.1", n.port) for n in valkey.nodes)
+    run = raw_glide_loop(nodes, [bytes(k) for k in keys], bufs, workers, size)
+    rates = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        run()
+        rates.append(len(keys) * size / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)

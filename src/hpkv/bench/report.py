@@ -1,0 +1,124 @@
+"""The TTFT benchmark's output: one table per system, the side-by-side table, the bar chart, and the
+root cause of a system that could not start."""
+
+from __future__ import annotations
+
+import re
+
+from hpkv.bench.verify import HITS, SCENARIOS, Row, System
+
+
+def first_error(text: str) -> str:
+    """The root cause in a failed start's log tail: the first ``SomeError: message`` line (an
+    exception as Python prints it), else the first line that mentions an error."""
+
+    lines = [ln.strip() for ln in text.splitlines()]
+    # A traceback's last line, alone or after a log line's "ERROR ... [file.py:N] " prefix.
+    exc = re.compile(r"^(?:.*\bERROR\b.*?\] )?([\w.]*(?:Error|Exception): .+)$")
+    found = [m.group(1) for ln in lines if (m := exc.match(ln))]
+    # vLLM re-raises a worker's failure as "... See root cause above": prefer the cause itself.
+    for msg in sorted(found, key=lambda m: "root cause above" in m):
+        return msg[:300]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[-300:]
+    return lines[0][-300:] if text.strip() else "unknown error"
+
+
+def print_system(x: System, kv_bytes: int, label: bool) -> None:
+    if label:
+        print(f"\n== {x.name} ==")
+    if x.error:
+        print(f"could not run here: {x.error}")
+        if not x.rows:
+            return
+    base = next((r for r in x.rows if r.scenario == "prefill"), None)
+    gpu = next((r for r in x.rows if r.scenario == "gpu"), None)
+    print(
+        f"{'scenario':12} {'mean TTFT':>10} {'median':>9} {'speedup':>9} {'load rate':>11} "
+        f"{'x ref':>6}  proof"
+    )
+    for r in x.rows:
+        sp = f"{base.mean / r.mean:8.2f}x" if base and r.valid else "        -"
+        rate, vs = "", ""
+        if r.scenario in HITS and gpu and r.valid and r.median > gpu.median:
+            gbps = kv_bytes / (r.median - gpu.median) / 1e9
+            rate = f"{gbps:6.2f} GB/s"
+            if x.refs.get(r.scenario, ("", 0.0))[1] > 0:
+                vs = f"{gbps / x.refs[r.scenario][1]:5.2f}x"
+        print(f"{r.scenario:12} {r.mean:9.4f}s {r.median:8.4f}s {sp} {rate:>11} {vs:>6}  {r.proof}")
+    for s, why in x.skipped:
+        print(f"{s:12} skipped: {why}")
+
+
+def print_comparison(results: list[System]) -> None:
+    """Median TTFT per scenario side by side, and hpkv's ratio to each peer (< 1: hpkv is faster)."""
+    ran = [x for x in results if x.rows]
+    print("\n== side by side: median TTFT (s); hpkv / peer < 1 means hpkv is faster ==")
+    hp = next((x for x in ran if x.name == "hpkv"), None)
+    head = f"{'scenario':12}" + "".join(f"{x.name:>12}" for x in ran)
+    peers = [x for x in ran if x.name != "hpkv"] if hp else []
+    head += "".join(f"{'hpkv/' + x.name:>14}" for x in peers)
+    print(head)
+    for scen in SCENARIOS:
+        cells = []
+        med: dict[str, float] = {}
+        for x in ran:
+            r = next((r for r in x.rows if r.scenario == scen), None)
+            if r is None:
+                cells.append(f"{'-':>12}")
+            elif not r.valid:
+                cells.append(f"{'invalid':>12}")
+            else:
+                med[x.name] = r.median
+                cells.append(f"{r.median:12.4f}")
+        if not med:
+            continue
+        line = f"{scen:12}" + "".join(cells)
+        for x in peers:
+            ratio = med["hpkv"] / med[x.name] if "hpkv" in med and x.name in med else None
+            line += f"{ratio:13.2f}x" if ratio else f"{'-':>14}"
+        print(line)
+    for x in results:
+        if x.error:
+            print(f"{x.name}: could not run here: {x.error}")
+
+
+def chart(results: list[System], path: str) -> str:
+    """A bar chart of median TTFT per scenario (and system); returns the path or why there is none."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "not drawn (pip install matplotlib)"
+    names = [s for s in SCENARIOS if any(r.scenario == s for x in results for r in x.rows)]
+    if not names:
+        return "not drawn (no system produced a row)"
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(1, len(results))
+    for k, x in enumerate(results):
+        med = {r.scenario: r.median for r in x.rows}
+        xs = [i + k * width for i, s in enumerate(names) if s in med]
+        ys = [med[s] for s in names if s in med]
+        bars = ax.bar(xs, ys, width, label=x.name)
+        ax.bar_label(bars, labels=[f"{y:.3f}s" for y in ys], fontsize=7)
+    ax.set_xticks([i + width * (len(results) - 1) / 2 for i in range(len(names))], names)
+    ax.set_yscale("log")
+    ax.set_ylabel("median TTFT (s, log scale)")
+    ax.set_title("hpkv bench ttft")
+    if len(results) > 1:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def kv_bytes_per_prompt(rows: list[Row], prompts: int) -> int:
+    """KV bytes one hit loads per prompt, from the memory tier's byte counter."""
+    for r in rows:
+        if r.scenario in ("memory", "storage") and r.deltas.get("memory_bytes_read"):
+            return r.deltas["memory_bytes_read"] // max(prompts, 1)
+    return 0
