@@ -107,15 +107,24 @@ class Server:
             conn.close()
 
     def complete(
-        self, prompt: str | list[int], max_tokens: int = 1, timeout: float = 600
+        self,
+        prompt: str | list[int],
+        max_tokens: int = 1,
+        timeout: float = 600,
+        *,
+        model: str | None = None,
+        **extra: Any,
     ) -> tuple[float, dict[str, Any]]:
-        """POST /v1/completions (temperature 0, not streamed); returns (time to first byte, response)."""
+        """POST /v1/completions (temperature 0, not streamed); returns (time to first byte, response).
+        ``model`` names a served LoRA adapter instead of the base model; ``extra`` goes into the
+        body as is (e.g. ``cache_salt``)."""
         body = {
-            "model": self.model,
+            "model": model or self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
             "temperature": 0,
             "stream": False,
+            **extra,
         }
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:

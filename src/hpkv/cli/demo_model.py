@@ -149,3 +149,47 @@ def write_demo_model(path: str, size: str = "tiny", seed: int = 0, dtype: str | 
 def load_words(path: str) -> list[str]:
     with open(os.path.join(path, "hpkv-words.txt")) as f:
         return [w for w in f.read().split() if w]
+
+
+def write_demo_lora(path: str, model: str, seed: int, rank: int = 8) -> str:
+    """A random PEFT-format LoRA adapter for the demo model at ``model`` that changes ``k_proj``
+    and ``v_proj`` of every layer (so the KV itself differs from the base model's and from
+    another seed's adapter). Returns ``path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // int(cfg["num_attention_heads"]))
+    kv_out = int(cfg["num_key_value_heads"]) * head_dim
+    dtype = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"))
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(int(cfg["num_hidden_layers"])):
+        for proj in ("k_proj", "v_proj"):
+            base = f"base_model.model.model.layers.{layer}.self_attn.{proj}"
+            tensors[f"{base}.lora_A.weight"] = (torch.randn(rank, hidden, generator=g) * 0.1).to(dtype)
+            tensors[f"{base}.lora_B.weight"] = (torch.randn(kv_out, rank, generator=g) * 0.1).to(dtype)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "base_model_name_or_path": model,
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": ["k_proj", "v_proj"],
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "modules_to_save": None,
+                "use_rslora": False,
+                "use_dora": False,
+            },
+            f,
+            indent=1,
+        )
+    return path

@@ -1,35 +1,60 @@
-"""Chunk keys: a rolling 128-bit prefix hash under a namespace.
+"""Chunk keys: a rolling 128-bit cryptographic prefix hash under a namespace.
 
 Two levels, so that one catalog can speak for every tensor-parallel rank:
 
 * the **logical key** of chunk i, the same for all ranks:
-  ``lk[i] = xxh3_128(lk[i-1] || tokens of chunk i as little-endian int64)``,
-  ``lk[-1]`` = digest of the namespace without the rank;
+  ``lk[i] = BLAKE2b-128(lk[i-1] || tokens of chunk i as little-endian int64 [|| 0x01 || extra[i]])``,
+  ``lk[-1]`` = the request's **seed**: the namespace digest without the rank, or, when the
+  request carries an identity beyond its tokens (``cache_salt``, a LoRA adapter), a digest
+  of both (:func:`request_seed`). ``extra[i]`` is a 16-byte digest of whatever else the
+  engine keys chunk i by (multimodal inputs placed in it, prompt embeddings);
 * the **record key** of rank r, under which that rank's shard is stored:
-  ``xxh3_128(rank namespace digest || lk[i])``.
+  ``BLAKE2b-128(rank namespace digest || lk[i])``.
 
 The namespace fingerprints the model, KV layout, chunk size, TP size, rank and
 an optional salt, so two models or TP layouts never read each other's chunks.
 Everything is a pure function of its inputs: no ``hash()``, no per-process
 seed, the same on every machine.
+
+Why BLAKE2b and 128 bits: keys name records in tiers other processes and
+tenants can read and write (a storage directory, a Valkey cluster). Poisoning a
+victim's chunk means finding a prompt whose key equals the victim's: a second
+preimage, 2^128 work for a cryptographic hash (with xxh3 it is cheap). A birthday
+collision (2^64) only makes two of the attacker's own prompts share a chunk.
+The payload checksum in the record header stays xxh3: it detects accidents; a
+keyed MAC (``auth_key``) is what detects forgeries.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-import xxhash
 
 from hpkv.core.layout import KVLayout
 
 KEY_BYTES = 16
-NAMESPACE_VERSION = "hpkv-ns-v1"
+NAMESPACE_VERSION = "hpkv-ns-v2"
 
 Tokens = Sequence[int] | torch.Tensor | np.ndarray
+
+
+def digest(*parts: bytes, person: bytes = b"hpkv") -> bytes:
+    """BLAKE2b-128 of the length-prefixed ``parts`` (so no two part lists share an encoding)."""
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=person)
+    for p in parts:
+        h.update(struct.pack("<Q", len(p)))
+        h.update(p)
+    return h.digest()
+
+
+def text_bytes(s: str) -> bytes:
+    """UTF-8 that never raises: a lone surrogate (possible in JSON strings) is kept, not refused."""
+    return s.encode("utf-8", "surrogatepass")
 
 
 @dataclass(frozen=True)
@@ -53,15 +78,40 @@ class Namespace:
     @property
     def digest(self) -> bytes:
         """This rank's 16 bytes; also written into every record header as its layout fingerprint."""
-        return xxhash.xxh3_128_digest(self.text().encode("utf-8"))
+        return digest(text_bytes(self.text()), person=b"hpkv-ns")
 
     @property
     def logical_digest(self) -> bytes:
         """The seed of the logical keys: the same for every rank of one model and layout."""
-        return xxhash.xxh3_128_digest(self.text(with_rank=False).encode("utf-8"))
+        return digest(text_bytes(self.text(with_rank=False)), person=b"hpkv-ns")
 
     def for_rank(self, rank: int) -> Namespace:
         return Namespace(self.model_id, self.layout, self.chunk_size, rank, self.world_size, self.salt)
+
+
+def request_seed(logical_digest: bytes, *, cache_salt: str | None = None, lora: bytes | None = None) -> bytes:
+    """The first link of a request's key chain: the namespace's own digest for a plain request,
+    else a digest that also covers its ``cache_salt`` and its LoRA adapter's content digest."""
+    if not cache_salt and not lora:
+        return logical_digest
+    return digest(
+        logical_digest,
+        b"salt",
+        text_bytes(cache_salt or ""),
+        b"lora",
+        lora or b"",
+        person=b"hpkv-request",
+    )
+
+
+def tenant_tag(salt: str = "", cache_salt: str | None = None) -> str:
+    """The Valkey key-name segment of a tenant: ``shared`` for requests without any salt, else
+    ``t`` + 16 hex digits derived from ``HPKV_SALT`` and the request's ``cache_salt`` (the salt
+    itself never appears in a key name). Keys are ``hpkv:<tag>:...``: an ACL user limited to
+    ``~hpkv:<tag>:*`` sees that tenant's chunks only (``hpkv tenant-prefix`` prints it)."""
+    if not salt and not cache_salt:
+        return "shared"
+    return "t" + digest(text_bytes(salt), text_bytes(cache_salt or ""), person=b"hpkv-tenant")[:8].hex()
 
 
 def tokens_to_array(tokens: Tokens) -> np.ndarray:
@@ -81,11 +131,17 @@ def tokens_to_array(tokens: Tokens) -> np.ndarray:
 
 
 def chunk_keys(
-    namespace_digest: bytes, tokens: Tokens, chunk_size: int, limit: int | None = None
+    seed: bytes,
+    tokens: Tokens,
+    chunk_size: int,
+    limit: int | None = None,
+    extras: Sequence[bytes | None] | None = None,
 ) -> list[bytes]:
     """Keys of the full chunks of ``tokens`` (a trailing partial chunk has no key).
 
-    ``limit`` caps how many keys are computed (lookups that stop early).
+    ``seed`` is the namespace's logical digest or a :func:`request_seed`; ``extras[i]``
+    (16 bytes or None) is mixed into chunk i's key. ``limit`` caps how many keys are
+    computed (lookups that stop early).
     """
     arr = tokens_to_array(tokens)
     n = len(arr) // chunk_size
@@ -94,12 +150,15 @@ def chunk_keys(
     raw = arr.view(np.uint8).data  # a memoryview over the same bytes
     step = chunk_size * 8
     keys: list[bytes] = []
-    prev = namespace_digest
-    h = xxhash.xxh3_128()
+    prev = seed
     for i in range(n):
-        h.reset()
-        h.update(prev)
+        # Fixed-length fields, then an optional marked extra: no two inputs share an encoding.
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=b"hpkv-chunk")
         h.update(raw[i * step : (i + 1) * step])
+        extra = extras[i] if extras is not None and i < len(extras) else None
+        if extra:
+            h.update(b"\x01")
+            h.update(extra)
         prev = h.digest()
         keys.append(prev)
     return keys
@@ -107,4 +166,4 @@ def chunk_keys(
 
 def record_key(rank_digest: bytes, logical_key: bytes) -> bytes:
     """The key under which one rank stores its shard of the chunk ``logical_key``."""
-    return xxhash.xxh3_128_digest(rank_digest + logical_key)
+    return hashlib.blake2b(rank_digest + logical_key, digest_size=KEY_BYTES, person=b"hpkv-record").digest()

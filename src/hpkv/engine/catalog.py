@@ -41,6 +41,7 @@ from hpkv.tiers.disk import StorageTier
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
 from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
+from hpkv.tiers.valkey.tier import SHARED
 from hpkv.tiers.valkey.workers import Priority
 
 log = logging.getLogger(__name__)
@@ -112,11 +113,15 @@ class Catalog:
             raise
         self.num_slots = num_slots
         self._index = SlotIndex(num_slots)
+        # Bumped by a reset of the memory tier: a slot reserved before it is never committed after it,
+        # so no promotion or store in flight at the reset becomes visible.
+        self._epoch = 0
+        self._slot_epoch = [0] * num_slots
         self._staging: dict[bytes, Future[bool]] = {}
         # Promotions from valkey wait on the network: give them as many threads as valkey workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.valkey else 0)
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-promote")
-        self._cascade: queue.Queue[tuple[bytes, int] | None] = queue.Queue(
+        self._cascade: queue.Queue[tuple[bytes, int, str] | None] = queue.Queue(
             maxsize=max(config.cascade_queue_chunks, 1)
         )
         self._cascade_off = config.cascade_queue_chunks == 0 or not (self.storage or self.valkey)
@@ -126,9 +131,16 @@ class Catalog:
 
     # -- keys ---------------------------------------------------------------------
 
-    def keys(self, tokens: Tokens, limit: int | None = None) -> list[bytes]:
-        """Logical keys of the full chunks of ``tokens``."""
-        return chunk_keys(self.logical_digest, tokens, self.chunk_size, limit)
+    def keys(
+        self,
+        tokens: Tokens,
+        limit: int | None = None,
+        seed: bytes | None = None,
+        extras: list[bytes | None] | None = None,
+    ) -> list[bytes]:
+        """Logical keys of the full chunks of ``tokens`` (``seed``/``extras``: a request's identity
+        beyond its tokens, see :mod:`hpkv.core.keys`)."""
+        return chunk_keys(seed or self.logical_digest, tokens, self.chunk_size, limit, extras)
 
     def record_key(self, rank: int, lk: bytes) -> bytes:
         return record_key(self.rank_digests[rank], lk)
@@ -186,7 +198,7 @@ class Catalog:
 
     # -- promotion (storage -> memory) -------------------------------------------------
 
-    def stage(self, lks: Iterable[bytes]) -> list[Future[bool]]:
+    def stage(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[Future[bool]]:
         """Start promoting ``lks`` (those in storage but not memory) into memory; never blocks.
 
         Returns the futures of the promotions now running for these keys
@@ -202,23 +214,25 @@ class Catalog:
                     continue
                 fut = self._staging.get(lk)
                 if fut is None:
-                    fut = self._io.submit(self._promote, lk)
+                    fut = self._io.submit(self._promote, lk, tenant)
                     self._staging[lk] = fut
             futures.append(fut)
         return futures
 
-    def _promote(self, lk: bytes) -> bool:
+    def _promote(self, lk: bytes, tenant: str) -> bool:
         try:
             slot = self.reserve()
             if slot is None:
                 return False
             off = slot * self.slot_bytes
             for r in range(self.world_size):
-                if not self._read_rank(r, lk, self.pools[r].view[off : off + self.slot_bytes]):
-                    with self._lock:
-                        self._index.abort(slot)
+                if not self._read_rank(r, lk, self.pools[r].view[off : off + self.slot_bytes], tenant):
+                    self.abort(slot)
                     return False
             with self._lock:
+                if self._slot_epoch[slot] != self._epoch:  # reset while it was read: stays invisible
+                    self._index.abort(slot)
+                    return False
                 self._index.commit(slot, lk)
             self._mem_stats.add("promotions")
             return True
@@ -229,12 +243,12 @@ class Catalog:
             with self._lock:
                 self._staging.pop(lk, None)
 
-    def _read_rank(self, r: int, lk: bytes, buf: memoryview) -> bool:
+    def _read_rank(self, r: int, lk: bytes, buf: memoryview, tenant: str) -> bool:
         """Rank ``r``'s verified record of ``lk`` into ``buf``, from storage, else valkey."""
         rk = self.record_key(r, lk)
         if self.storage and self.storage[r].contains(rk) and self.storage[r].read_into(rk, buf):
             return True
-        return bool(self.valkey) and self.valkey[r].read_into(rk, buf, Priority.PREFETCH)
+        return bool(self.valkey) and self.valkey[r].read_into(rk, buf, Priority.PREFETCH, tenant)
 
     # -- pins for loads ---------------------------------------------------------------
 
@@ -267,29 +281,37 @@ class Catalog:
         """A pinned, invisible slot for a new chunk, or None (counted) if every slot is pinned."""
         with self._lock:
             got = self._index.reserve()
-            if got is not None and got[1] is not None:
-                self._mem_stats.add("evictions")
+            if got is not None:
+                self._slot_epoch[got[0]] = self._epoch
+                if got[1] is not None:
+                    self._mem_stats.add("evictions")
         if got is None:
             self._mem_stats.add("writes_skipped")
             return None
         return got[0]
 
-    def commit(self, lk: bytes, slot: int) -> None:
+    def commit(self, lk: bytes, slot: int, tenant: str = SHARED) -> bool:
         """The workers have filled and sealed ``slot`` for ``lk`` on every rank: make it visible,
-        and queue it for the slower tiers (each skips a chunk it already holds)."""
+        and queue it for the slower tiers (each skips a chunk it already holds). False (and the
+        slot freed) if another writer committed ``lk`` first or the memory tier was reset since
+        the slot was reserved."""
         cascade = not self._cascade_off and (bool(self.valkey) or not self.in_storage(lk))
         with self._lock:
+            if self._slot_epoch[slot] != self._epoch:
+                self._index.abort(slot)
+                return False
             if not self._index.commit(slot, lk, keep_pin=cascade):
-                return
+                return False
         self._mem_stats.add("writes")
         self._mem_stats.add("bytes_written", self.payload_bytes)
         if cascade:
             try:
-                self._cascade.put_nowait((lk, slot))
+                self._cascade.put_nowait((lk, slot, tenant))
             except queue.Full:
                 self.unpin([slot])
                 for t in self._slow_tiers():
                     t.count("writes_skipped")
+        return True
 
     def abort(self, slot: int) -> None:
         with self._lock:
@@ -301,14 +323,16 @@ class Catalog:
             try:
                 if item is None:
                     return
-                lk, slot = item
+                lk, slot, tenant = item
                 off = slot * self.slot_bytes
-                for tiers in self._slow_by_rank():
-                    for r, tier in enumerate(tiers):
+                for r in range(self.world_size):
+                    rk, rec = self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes]
+                    for tier in self._slow_of_rank(r):
                         try:
-                            tier.write(
-                                self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes]
-                            )
+                            if isinstance(tier, ValkeyTier):
+                                tier.write(rk, rec, tenant)
+                            else:
+                                tier.write(rk, rec)
                         except Exception:
                             log.exception("hpkv: cascade write to %s failed", tier.name)
                             tier.count("errors")
@@ -316,11 +340,11 @@ class Catalog:
             finally:
                 self._cascade.task_done()
 
-    def _slow_by_rank(self) -> list[list[WriteTarget]]:
-        return [list(self.storage), list(self.valkey)]
+    def _slow_of_rank(self, r: int) -> list[WriteTarget]:
+        return [tiers[r] for tiers in (self.storage, self.valkey) if tiers]
 
     def _slow_tiers(self) -> list[WriteTarget]:
-        return [t for tiers in self._slow_by_rank() for t in tiers]
+        return [*self.storage, *self.valkey]
 
     def flush(self) -> None:
         """Wait for every queued cascade write and every running promotion."""
@@ -337,6 +361,7 @@ class Catalog:
         Valkey is cleared only when named: it is shared with other engines."""
         if MEMORY in tiers:
             with self._lock:
+                self._epoch += 1
                 self._index.clear()
         if STORAGE in tiers:
             self._cascade.join()

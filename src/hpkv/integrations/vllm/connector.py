@@ -205,7 +205,11 @@ def _describe_engine(
     )
     mc = vllm_config.model_config
     fingerprint = hashlib.sha256(mc.hf_config.to_json_string().encode()).hexdigest()[:16]
-    model_id = f"{mc.model}@{mc.revision or ''}#{fingerprint}"
+    # Engine settings that change the KV bytes without changing the layout: the KV cache dtype
+    # (fp8 variants share a torch dtype) and the weights' quantization.
+    kv_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
+    quant = getattr(mc, "quantization", None) or "none"
+    model_id = f"{mc.model}@{mc.revision or ''}#{fingerprint}|kv={kv_dtype}|q={quant}"
     ns = Namespace(model_id, layout, config.chunk_size, 0, pc.tensor_parallel_size, config.salt)
     return ns, int(spec.block_size), list(groups[0].layer_names)
 

@@ -19,6 +19,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
+from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.statsfile import StatsFile
 
@@ -42,8 +43,9 @@ STATS_REFRESH_S = 0.5
 
 @dataclass
 class _Req:
-    lks: list[bytes]
+    lks: list[bytes]  # empty when hpkv does not touch the request (see identity.py)
     prompt_len: int
+    tenant: str = "shared"
     block_ids: list[int] = field(default_factory=list)
     next_store: int = 0
     lease: list[int] = field(default_factory=list)  # pinned slots of chunks [lease_first, ...)
@@ -66,6 +68,7 @@ class _Op:
     remaining: int = 0
     failed: bool = False
     tokens: int = 0
+    tenant: str = "shared"
 
 
 class HpkvScheduler:
@@ -85,6 +88,7 @@ class HpkvScheduler:
         self.load_enabled = load
         self.store_enabled = store
         self.catalog = Catalog(config, namespace)
+        self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
         self.world_size = namespace.world_size
         self._reqs: dict[str, _Req] = {}
         self._ops: dict[int, _Op] = {}
@@ -98,6 +102,7 @@ class HpkvScheduler:
             "stored_tokens": 0,
             "load_failures": 0,
             "store_failures": 0,
+            "skipped_requests": 0,
         }
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self._write_stats(force=True)
@@ -115,17 +120,36 @@ class HpkvScheduler:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def _state(self, req_id: str, prompt: list[int] | None) -> _Req:
-        """The request's state, created on first sight (keys are hashed once per request)."""
+    def _state(self, request: Request) -> _Req:
+        """The request's state, created on first sight (keys are hashed once per request), keyed by
+        everything the engine keys its own cache by (tokens, LoRA, multimodal inputs, cache_salt,
+        prompt embeddings)."""
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            # Prompt embeddings without token ids: the chunks are keyed by the embeddings alone.
+            prompt = request.prompt_token_ids or [0] * prompt_length(request)
+            ident = self.identity.of(request)
+            if ident.skip is not None:
+                self._counters["skipped_requests"] += 1
+                self._counters[f"skipped_{ident.skip}"] = self._counters.get(f"skipped_{ident.skip}", 0) + 1
+                lks: list[bytes] = []
+            else:
+                lks = self.catalog.keys(prompt, seed=ident.seed, extras=ident.extras)
+            st = _Req(lks=lks, prompt_len=len(prompt), tenant=ident.tenant)
+            self._reqs[request.request_id] = st
+        return st
+
+    def _seen(self, req_id: str, prompt: list[int] | None) -> _Req:
+        """State of a request scheduled without a lookup first: what vLLM passes to the step
+        (NewRequestData) lacks cache_salt, so such a request cannot be keyed and is not touched."""
         st = self._reqs.get(req_id)
         if st is None:
-            prompt = prompt or []
-            st = _Req(lks=self.catalog.keys(prompt), prompt_len=len(prompt))
+            st = _Req(lks=[], prompt_len=len(prompt or []))
             self._reqs[req_id] = st
         return st
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
-        st = self._state(request.request_id, request.prompt_token_ids)
+        st = self._state(request)
         self._release_lease(st)
         if not self.load_enabled or not st.lks:
             return 0, False
@@ -144,7 +168,7 @@ class HpkvScheduler:
                 need = [lk for lk, w in zip(lks[first:], where, strict=False) if w != MEMORY]
                 st.tiers = {MEMORY: where.count(MEMORY), STORAGE: where.count(STORAGE)}
                 st.remote_candidates = [lk for lk, w in zip(lks[first:], where, strict=False) if w is None]
-                st.staging = self.catalog.stage(need)
+                st.staging = self.catalog.stage(need, st.tenant)
                 st.staging_since = time.monotonic()
             if st.staging:
                 _, pending = wait(st.staging, timeout=STAGE_WAIT_IDLE_S if self._idle else STAGE_WAIT_S)
@@ -193,7 +217,7 @@ class HpkvScheduler:
         meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
         self._idle = so.total_num_scheduled_tokens == 0
         for new in so.scheduled_new_reqs:
-            st = self._state(new.req_id, new.prompt_token_ids)
+            st = self._seen(new.req_id, new.prompt_token_ids)
             st.block_ids = list(new.block_ids[0])
             self._plan(meta, new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
         cached = so.scheduled_cached_reqs
@@ -228,9 +252,9 @@ class HpkvScheduler:
             meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.tiers))
             st.lease = []  # now owned by the op, released when every rank has copied
             st.next_store = max(st.next_store, end // C)
-        if not self.store_enabled:
+        if not self.store_enabled or not st.lks:
             return
-        limit = min(computed_after, st.prompt_len) // C
+        limit = min(computed_after, st.prompt_len, len(st.lks) * C) // C
         while st.next_store < limit:
             j = st.next_store
             st.next_store += 1
@@ -241,7 +265,9 @@ class HpkvScheduler:
             if reserved is None:
                 continue
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
-            op = self._new_op(_Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C))
+            op = self._new_op(
+                _Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C, tenant=st.tenant)
+            )
             self._pending_store.add(lk)
             meta.stores.append(StoreChunk(op, reserved, lk, blocks))
 
@@ -269,8 +295,7 @@ class HpkvScheduler:
                 if op.failed:
                     self.catalog.abort(op.slots[0])
                     self._counters["store_failures"] += 1
-                else:
-                    self.catalog.commit(op.lk, op.slots[0])
+                elif self.catalog.commit(op.lk, op.slots[0], op.tenant):
                     self._counters["stored_tokens"] += op.tokens
             else:
                 self.catalog.unpin(op.slots)

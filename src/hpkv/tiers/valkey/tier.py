@@ -1,6 +1,6 @@
 """The valkey tier: one key per chunk holding the whole sealed record.
 
-``hpkv:<namespace>:<key>`` -> the record (64-byte header + payload), so one GET
+``hpkv:<tenant>:<namespace>:<key>`` -> the record (64-byte header + payload), so one GET
 fetches a chunk and a value written by another model, layout or hpkv version
 fails the header check. Reads go straight into the caller's buffer (GLIDE's
 ``buffer=``); a value of any other length, or one that fails verification, is
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 NAME = "valkey"
 KEY_PREFIX = b"hpkv:"
+SHARED = "shared"  # the tenant segment of requests without a salt (hpkv.core.keys.tenant_tag)
 _LOG_EVERY_S = 30.0
 
 
@@ -57,26 +58,27 @@ class ValkeyTier:
         self.payload_bytes = payload_bytes
         self.record_bytes = record.record_bytes(payload_bytes)
         self.namespace = namespace
-        self._prefix = KEY_PREFIX + namespace[:8].hex().encode() + b":"
+        self._ns = namespace[:8].hex().encode()
         self._timeout = conn.settings.request_timeout
         self._ttl = conn.settings.ttl_sec
         self._stats = TierStats()
         self._last_log = 0.0
 
-    def key_name(self, key: bytes) -> bytes:
-        return self._prefix + key.hex().encode()
+    def key_name(self, key: bytes, tenant: str = SHARED) -> bytes:
+        """``hpkv:<tenant>:<namespace>:<key>``: a tenant's chunks share a prefix an ACL can grant."""
+        return b"%s%s:%s:%s" % (KEY_PREFIX, tenant.encode("ascii"), self._ns, key.hex().encode())
 
     # -- lookups -------------------------------------------------------------------
 
-    def contains(self, key: bytes) -> bool:
-        return self.contains_many([key])[0]
+    def contains(self, key: bytes, tenant: str = SHARED) -> bool:
+        return self.contains_many([key], tenant)[0]
 
-    def contains_many(self, keys: list[bytes]) -> list[bool]:
+    def contains_many(self, keys: list[bytes], tenant: str = SHARED) -> list[bool]:
         """Which of ``keys`` the server holds, in one pipelined round trip. Unknown (down,
         error) counts as absent."""
         if not keys:
             return []
-        names = [self.key_name(k) for k in keys]
+        names = [self.key_name(k, tenant) for k in keys]
         cluster = self.conn.settings.cluster
 
         def job(client: Any) -> list[bool]:
@@ -94,11 +96,13 @@ class ValkeyTier:
 
     # -- reads ---------------------------------------------------------------------
 
-    def read_into(self, key: bytes, buf: memoryview, priority: Priority = Priority.GET) -> bool:
+    def read_into(
+        self, key: bytes, buf: memoryview, priority: Priority = Priority.GET, tenant: str = SHARED
+    ) -> bool:
         """GET the record of ``key`` straight into ``buf`` (≥ the record's length) and verify it.
         True: ``buf`` holds a verified record. False: a counted miss (absent, wrong length,
         failed verification, server down). When this returns, no write into ``buf`` is pending."""
-        name = self.key_name(key)
+        name = self.key_name(key, tenant)
         view = memoryview(buf)
         if view.format != "B":  # GLIDE's buffer= takes unsigned bytes only
             view = view.cast("B")
@@ -134,10 +138,10 @@ class ValkeyTier:
 
     # -- writes ----------------------------------------------------------------------
 
-    def write(self, key: bytes, rec: memoryview) -> bool:
+    def write(self, key: bytes, rec: memoryview, tenant: str = SHARED) -> bool:
         """SET the sealed record unless the server already holds it (with the TTL when enabled).
         True if the server holds it now. Sends ``rec`` without copying it in Python."""
-        name = self.key_name(key)
+        name = self.key_name(key, tenant)
         value = memoryview(rec)[: self.record_bytes]
         ttl = self._ttl
 
@@ -158,13 +162,13 @@ class ValkeyTier:
             self._stats.add("bytes_written", self.payload_bytes)
         return True
 
-    def delete(self, key: bytes) -> bool:
-        name = self.key_name(key)
+    def delete(self, key: bytes, tenant: str = SHARED) -> bool:
+        name = self.key_name(key, tenant)
         return bool(self._call(Priority.PUT, lambda c: c.delete([name]), "del"))
 
     def clear(self) -> int:
         """Delete every chunk of this namespace on the server (other namespaces and keys stay)."""
-        pattern = self._prefix + b"*"
+        pattern = KEY_PREFIX + b"*:" + self._ns + b":*"
         cluster = self.conn.settings.cluster
 
         def job(client: Any) -> int:
