@@ -65,3 +65,14 @@ def test_demo_model_token_counts(tmp_path: Path) -> None:
     assert len(ids) == 777 and tok.decode(ids) == prompt
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["num_key_value_heads"] == 2
+
+
+def test_tenant_prefix_is_the_one_the_valkey_tier_writes_under() -> None:
+    from hpkv.core.keys import tenant_tag
+
+    r = run("tenant-prefix", "tenant-1")
+    assert r.returncode == 0 and r.stdout.strip() == f"hpkv:{tenant_tag('', 'tenant-1')}:"
+    assert "ACL SETUSER" in r.stderr
+    r = run("tenant-prefix", "tenant-1", env={"HPKV_SALT": "deploy-2"})
+    assert r.stdout.strip() == f"hpkv:{tenant_tag('deploy-2', 'tenant-1')}:"
+    assert run("tenant-prefix").stdout.strip() == "hpkv:shared:"

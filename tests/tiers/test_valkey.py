@@ -315,3 +315,55 @@ def test_cli_valkey_start_serves_until_terminated(tmp_path: Any) -> None:
     finally:
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=20) == 0
+
+
+def test_a_tenant_acl_user_reads_its_own_prefix_only(valkey_server: ValkeyServers) -> None:
+    """Each tenant's chunks live under ``hpkv:<tag>:``; an ACL user granted that pattern reads them
+    and is refused another tenant's (a refused GET is a miss, not an error that reaches the engine)."""
+    from hpkv.core.keys import tenant_tag
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=SMALL.dtype)
+    payload = layout.chunk_bytes(CHUNK)
+    t1, t2 = tenant_tag("", "tenant-1"), tenant_tag("", "tenant-2")
+    ns = b"N" * 16
+    port = valkey_server.nodes[0].port
+    adm = valkey_server.admin()
+    adm.command(
+        "ACL",
+        "SETUSER",
+        "tenant1",
+        "on",
+        ">pw1",
+        f"~hpkv:{t1}:*",
+        "+@connection",
+        "+info",
+        "+get",
+        "+set",
+        "+exists",
+    )
+    engine = ValkeyConnection(ValkeySettings(nodes=(("127.0.0.1", port),)))
+    mine = ValkeyConnection(ValkeySettings(nodes=(("127.0.0.1", port),), username="tenant1", password="pw1"))
+    try:
+        tier = ValkeyTier(engine, payload, ns)
+        rec = bytearray(record.record_bytes(payload))
+        rec[record.HEADER_BYTES :] = bytes(i % 253 for i in range(payload))
+        record.seal(memoryview(rec), ns, b"K" * 16, payload)
+        assert tier.write(b"K" * 16, memoryview(rec), t1) and tier.write(b"K" * 16, memoryview(rec), t2)
+        assert tier.key_name(b"K" * 16, t1).startswith(f"hpkv:{t1}:".encode())
+        restricted = ValkeyTier(mine, payload, ns)
+        buf = bytearray(len(rec))
+        assert restricted.read_into(b"K" * 16, memoryview(buf), tenant=t1) and buf == rec
+        assert not restricted.read_into(b"K" * 16, memoryview(bytearray(len(rec))), tenant=t2)
+        assert not restricted.read_into(b"K" * 16, memoryview(bytearray(len(rec))))  # the shared prefix
+        # The server itself refuses: the ACL, not hpkv, keeps the tenants apart.
+        import redis
+
+        r = redis.Redis(port=port, username="tenant1", password="pw1")
+        assert r.get(tier.key_name(b"K" * 16, t1)) == bytes(rec)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            r.get(tier.key_name(b"K" * 16, t2))
+        r.close()
+    finally:
+        mine.close()
+        engine.close()
+        adm.command("ACL", "DELUSER", "tenant1")

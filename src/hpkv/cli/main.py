@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -59,8 +60,35 @@ def _main(argv: list[str] | None = None) -> int:
     v.add_argument("--dir", default=None, help="working directory (default: a temporary one)")
     v.add_argument("--maxmemory", default=None, help="per server, e.g. 4gb (with volatile-lru eviction)")
 
+    tp = sub.add_parser(
+        "tenant-prefix", help="the Valkey key prefix of a cache_salt tenant (for an ACL key pattern)"
+    )
+    tp.add_argument("cache_salt", nargs="?", default="", help="the requests' cache_salt (none: shared)")
+    tp.add_argument("--salt", default=None, help="the engine's HPKV_SALT (default: from the environment)")
+
+    dl = sub.add_parser("demo-lora", help="write a random LoRA adapter (PEFT format) for a demo model")
+    dl.add_argument("model")
+    dl.add_argument("dir")
+    dl.add_argument("--seed", type=int, default=1)
+
     a = ap.parse_args(argv)
     a.vllm_args = vllm_args
+    if a.cmd == "tenant-prefix":
+        from hpkv.core.keys import tenant_tag
+
+        salt = a.salt if a.salt is not None else os.environ.get("HPKV_SALT", "")
+        tag = tenant_tag(salt, a.cache_salt)
+        print(f"hpkv:{tag}:")
+        print(
+            f"# e.g. ACL SETUSER <user> on ><password> ~hpkv:{tag}:* +@connection +info +get +set +exists",
+            file=sys.stderr,
+        )
+        return 0
+    if a.cmd == "demo-lora":
+        from hpkv.cli.demo_model import write_demo_lora
+
+        print(f"wrote a random LoRA adapter (k_proj, v_proj) to {write_demo_lora(a.dir, a.model, a.seed)}")
+        return 0
     if a.cmd == "serve":
         from hpkv.cli.serve import main as serve_main
 
