@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-unit test-e2e test-gpu lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
+.PHONY: venv test test-unit test-e2e test-gpu test-gpu-e2e lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -70,6 +70,12 @@ bench-valkey: $(STAMP)
 # On a machine with an NVIDIA GPU and a CUDA build of torch (the CPU CI skips tests/gpu's CUDA cases):
 test-gpu:
 	PYTHONPATH=src python3 -m pytest -q tests/gpu
+
+# On the H200 with vLLM 0.26 carried there (../shared/gpu/README.md, then `export PYTHONPATH=/root/site`):
+# the mover's CUDA cases and the connector's end-to-end suites against vLLM's GPU engine.
+test-gpu-e2e:
+	VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m pytest -q tests/gpu tests/e2e/test_identity.py \
+	  tests/e2e/test_vllm_connector.py tests/e2e/test_valkey.py
 
 bench-gpu:
 	PYTHONPATH=src python3 -m hpkv.bench.gpu

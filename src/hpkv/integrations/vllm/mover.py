@@ -54,8 +54,8 @@ class StoreItem:
     block_ids: Sequence[int]
 
 
-def _event() -> Any:
-    return torch.cuda.Event()  # type: ignore[no-untyped-call]
+def _event(timing: bool = False) -> Any:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
 
 
 def cuda_host_register(t: torch.Tensor) -> str | None:
@@ -87,6 +87,7 @@ class Mover:
         self._registered: torch.Tensor | None = None
         self._layer_events: list[Any] = []
         self._pending_load: Any = None
+        self._load_timing: tuple[Any, Any] | None = None  # (started, done) of the loads in flight
         # Staging buffers live as long as the mover and are reused in turn, guarded by events:
         # allocating per call lets the caching allocator fall back to cudaMalloc, which stalls.
         self._staging: dict[str, torch.Tensor] = {}
@@ -142,6 +143,10 @@ class Mover:
         start.record(compute)
         self.copy_stream.wait_event(start)
         self.scatter_stream.wait_event(start)
+        # Timing events bracket the copies themselves (from when the copy stream may start to when
+        # the last scatter is done): what the per-request line reports, not the enqueue.
+        began = _event(timing=True)
+        began.record(self.copy_stream)
         if self.layerwise:
             self._load_layerwise(items)
         else:
@@ -150,6 +155,9 @@ class Mover:
             done.record(self.scatter_stream)
             compute.wait_event(done)
             self._pending_load = done
+        ended = _event(timing=True)
+        ended.record(self.scatter_stream)
+        self._load_timing = (began, ended)
 
     def _buffer(self, name: str, rows: int, nbytes: int, stream: Any) -> torch.Tensor:
         """Staging buffer ``name`` (``[rows, nbytes]`` view), after ``stream`` waited until its
@@ -223,13 +231,21 @@ class Mover:
         if self.layerwise and li < len(self._layer_events):
             torch.cuda.current_stream(self.device).wait_event(self._layer_events[li])
 
-    def finish_loads(self) -> None:
+    def finish_loads(self) -> float | None:
         """Block the host until the loads enqueued so far are in the paged KV (before reporting them
-        done, so the scheduler never frees a pool slot a copy still reads)."""
+        done, so the scheduler never frees a pool slot a copy still reads). Returns the seconds the
+        copies took on the device (CUDA events), or None when nothing was in flight."""
+        took = None
         if self._pending_load is not None:
             self._pending_load.synchronize()
             self._pending_load = None
             self._layer_events = []
+        if self._load_timing is not None:
+            began, ended = self._load_timing
+            ended.synchronize()
+            took = float(began.elapsed_time(ended)) / 1e3
+            self._load_timing = None
+        return took
 
     # -- stores ------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ class HpkvWorker:
         self._pool_path = ""
         self._results: dict[int, tuple[int, int]] = {}
         self._load_errors: set[int] = set()
+        self._unlogged: list[tuple[LoadRequest, int]] = []  # CUDA loads whose copies are in flight
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
         self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
@@ -91,10 +92,14 @@ class HpkvWorker:
             loaded = self._plan_load(pool, req, items)
             logs.append((req, loaded))
         self.mover.load(items)
-        dt = time.perf_counter() - t0
-        if self.rank == 0:
-            for req, loaded in logs:
-                self._log_load(req, loaded, dt if len(logs) == 1 else dt / len(logs))
+        if self.rank != 0:
+            return
+        if self.mover.cuda:  # enqueued only: logged when the copies are done (take_results)
+            self._unlogged.extend(logs)
+            return
+        dt = time.perf_counter() - t0  # CPU: the copies are done on return
+        for req, loaded in logs:
+            self._log_load(req, loaded, dt if len(logs) == 1 else dt / len(logs))
 
     def _plan_load(self, pool: ShmPool, req: LoadRequest, items: list[LoadItem]) -> int:
         """Check each chunk's header and queue its copy; returns the tokens queued."""
@@ -196,7 +201,11 @@ class HpkvWorker:
 
     def take_results(self) -> HpkvWorkerMeta | None:
         if self.mover is not None:
-            self.mover.finish_loads()  # a load is done only once its copies landed
+            took = self.mover.finish_loads()  # a load is done only once its copies landed
+            logs, self._unlogged = self._unlogged, []
+            if took is not None:
+                for req, loaded in logs:
+                    self._log_load(req, loaded, took if len(logs) == 1 else took / len(logs))
         with self._lock:
             if not self._results:
                 return None
