@@ -174,6 +174,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
+    def has_pending_push_work(self) -> bool:
+        # On CUDA a store's copy lands after the step that queued it; without this the engine goes
+        # idle after the last request and the workers' results (commit, cascade) wait for the next one.
+        return self._scheduler is not None and self._scheduler.has_pending_ops()
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped store is a later miss

@@ -39,6 +39,7 @@ STAGE_WAIT_S = 0.005
 STAGE_WAIT_IDLE_S = 0.05
 STAGE_GIVE_UP_S = 30.0
 STATS_REFRESH_S = 0.5
+PENDING_OPS_MAX_S = 60.0
 
 
 @dataclass
@@ -69,6 +70,7 @@ class _Op:
     failed: bool = False
     tokens: int = 0
     tenant: str = "shared"
+    since: float = field(default_factory=time.monotonic)
 
 
 class HpkvScheduler:
@@ -305,6 +307,12 @@ class HpkvScheduler:
                     self.catalog.count_load(len(op.slots), len(op.slots) * self.catalog.payload_bytes)
                     self._counters["loaded_tokens"] += op.tokens
         self._write_stats()
+
+    def has_pending_ops(self) -> bool:
+        """Loads or stores the workers have not reported yet (the engine keeps stepping for them).
+        An op unreported for PENDING_OPS_MAX_S no longer keeps an idle engine spinning."""
+        now = time.monotonic()
+        return any(now - op.since < PENDING_OPS_MAX_S for op in self._ops.values())
 
     def request_finished(self, request: Request) -> None:
         st = self._reqs.pop(request.request_id, None)
