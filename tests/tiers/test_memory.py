@@ -189,3 +189,18 @@ def test_payload_views_share_the_mapping(shm_dir: str) -> None:
             assert f.read(16) == bytes(range(16))
     finally:
         tier.close()
+
+
+def test_reserve_never_evicts_protected_keys() -> None:
+    from hpkv.tiers.memory.slots import SlotIndex
+
+    idx = SlotIndex(3)
+    for k in (b"a", b"b", b"c"):
+        got = idx.reserve()
+        assert got is not None
+        idx.commit(got[0], k)
+    got = idx.reserve(protected={b"a", b"b"})  # a and b are the oldest, but a lookup holds them
+    assert got is not None and got[1] == b"c"
+    idx.commit(got[0], b"d")
+    assert idx.reserve(protected={b"a", b"b", b"d"}) is None  # a shorter hit, never a thrash
+    idx.check()

@@ -367,3 +367,31 @@ def test_a_tenant_acl_user_reads_its_own_prefix_only(valkey_server: ValkeyServer
         mine.close()
         engine.close()
         adm.command("ACL", "DELUSER", "tenant1")
+
+
+def test_a_write_replaces_a_bad_value_and_reads_nothing(valkey_server: ValkeyServers) -> None:
+    """A corrupt value under a chunk's key is a miss, and the next write of that chunk replaces it
+    (a write that checked EXISTS first kept it forever); writes never count as keyspace hits, so
+    the L2 proof (one hit per chunk read) is not inflated by stores."""
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=SMALL.dtype)
+    payload = layout.chunk_bytes(CHUNK)
+    conn = ValkeyConnection(ValkeySettings(nodes=(("127.0.0.1", valkey_server.nodes[0].port),)))
+    try:
+        tier = ValkeyTier(conn, payload, b"W" * 16)
+        rec = bytearray(record.record_bytes(payload))
+        rec[record.HEADER_BYTES :] = bytes(i % 249 for i in range(payload))
+        record.seal(memoryview(rec), b"W" * 16, b"K" * 16, payload)
+        bad = bytearray(rec)
+        bad[-1] ^= 0xFF
+        valkey_server.admin().command("SET", tier.key_name(b"K" * 16), bytes(bad))
+        buf = bytearray(len(rec))
+        assert not tier.read_into(b"K" * 16, memoryview(buf))
+        assert tier.stats()["corrupt"] == 1
+        hits = valkey_server.keyspace_hits()
+        assert tier.write(b"K" * 16, memoryview(rec))
+        assert tier.write(b"K" * 16, memoryview(rec))  # known now: not sent again
+        assert valkey_server.keyspace_hits() == hits
+        assert tier.stats()["writes"] == 1
+        assert tier.read_into(b"K" * 16, memoryview(buf)) and buf == rec
+    finally:
+        conn.close()

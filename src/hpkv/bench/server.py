@@ -160,6 +160,24 @@ class Server:
                 return max(docs, key=lambda d: d.get("time", 0))
         return self.metrics_stats()
 
+    def settled_stats(self, since: float | None = None, timeout: float = 30.0) -> dict[str, Any]:
+        """The engine's counters once they include everything up to now: from a stats file written
+        after ``since`` (``time.time()``; default: now) by an engine with no loads, stores or lookups
+        still to report (``pending == 0``). Without a stats file here: ``/metrics`` as is."""
+        since = time.time() if since is None else since
+        path = self.env.get("HPKV_SHARE_MEM_FILE_PATH")
+        if not path:
+            return self.metrics_stats()
+        deadline = time.monotonic() + timeout
+        while True:
+            docs = read_all(path)
+            doc = max(docs, key=lambda d: d.get("time", 0)) if docs else None
+            if doc is not None and doc.get("time", 0) >= since and not doc.get("pending", 0):
+                return doc
+            if time.monotonic() > deadline:
+                raise ServerError(f"hpkv's counters did not settle within {timeout:.0f} s (last: {doc})")
+            time.sleep(0.02)
+
     def metrics_stats(self) -> dict[str, Any]:
         """hpkv's counters from the server's Prometheus endpoint, summed over engine processes."""
         from prometheus_client.parser import text_string_to_metric_families

@@ -94,7 +94,7 @@ def run_scenario(
 ) -> Row:
     """Send ``prompts`` and check the counters against the tier ``name`` claims: hpkv's own
     (``hpkv``) or vLLM's (a peer). ``keyspace``: the valkey servers' summed keyspace_hits."""
-    before = server.hpkv_stats() if hpkv else {}
+    before = server.settled_stats() if hpkv else {}
     engine0 = server.engine_counters()
     hits0 = keyspace() if keyspace else 0
     ttfts = []
@@ -115,7 +115,8 @@ def run_scenario(
         else:
             print(f"  {name:8} {i}: TTFT={t:.6f}s | prompt_tokens={log[-1]['prompt_tokens']}", flush=True)
         time.sleep(pause)
-    time.sleep(0.6)  # let the last step's counters reach the stats file and /metrics
+    # hpkv's counters once nothing is pending (vLLM's own /metrics are updated with each step).
+    after = server.settled_stats() if hpkv else {}
     engine1 = server.engine_counters()
     d = {
         k: engine1.get(k, 0) - engine0.get(k, 0) for k in ("prefix_cache_hits", "external_prefix_cache_hits")
@@ -123,7 +124,6 @@ def run_scenario(
     if keyspace:
         d["keyspace_hits"] = keyspace() - hits0
     if hpkv:
-        after = server.hpkv_stats()
         for key, tier, what in (
             ("loaded_tokens", "connector", "loaded_tokens"),
             ("stored_tokens", "connector", "stored_tokens"),
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default=None, help="model directory (default: build the demo model)")
     ap.add_argument("--url", default=None, help="a running engine, e.g. http://127.0.0.1:8000 (no restarts)")
-    ap.add_argument("--size", default="small", choices=["tiny", "small"], help="demo model size")
+    ap.add_argument("--size", default="small", choices=["tiny", "small", "7b"], help="demo model size")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))

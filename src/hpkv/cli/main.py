@@ -38,7 +38,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo-model", help="write a random-weight Qwen2 model and tokenizer (offline)")
     d.add_argument("dir")
-    d.add_argument("--size", choices=["tiny", "small"], default="small")
+    d.add_argument("--size", choices=["tiny", "small", "7b"], default="small")
 
     st = sub.add_parser("stats", help="per-tier counters of running engines")
     st.add_argument("--dir", default=None, help="pool directory (default: HPKV_SHARE_MEM_FILE_PATH)")

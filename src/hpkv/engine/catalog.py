@@ -118,6 +118,9 @@ class Catalog:
         self._epoch = 0
         self._slot_epoch = [0] * num_slots
         self._staging: dict[bytes, Future[bool]] = {}
+        # Chunks of lookups in progress: no reserve (promotion or store) may evict them before
+        # the lookup pins them, so a long prompt's promotions never evict its own head.
+        self._protected: dict[bytes, int] = {}
         # Promotions from valkey wait on the network: give them as many threads as valkey workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.valkey else 0)
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-promote")
@@ -263,6 +266,22 @@ class Catalog:
                 slots.append(s)
         return slots
 
+    def protect(self, lks: Iterable[bytes]) -> None:
+        """Keep ``lks`` from being evicted until :meth:`unprotect` (counted: two lookups may
+        protect the same chunk)."""
+        with self._lock:
+            for lk in lks:
+                self._protected[lk] = self._protected.get(lk, 0) + 1
+
+    def unprotect(self, lks: Iterable[bytes]) -> None:
+        with self._lock:
+            for lk in lks:
+                n = self._protected.get(lk, 0) - 1
+                if n > 0:
+                    self._protected[lk] = n
+                else:
+                    self._protected.pop(lk, None)
+
     def unpin(self, slots: Iterable[int]) -> None:
         with self._lock:
             for s in slots:
@@ -280,7 +299,7 @@ class Catalog:
     def reserve(self) -> int | None:
         """A pinned, invisible slot for a new chunk, or None (counted) if every slot is pinned."""
         with self._lock:
-            got = self._index.reserve()
+            got = self._index.reserve(self._protected)
             if got is not None:
                 self._slot_epoch[got[0]] = self._epoch
                 if got[1] is not None:

@@ -38,7 +38,7 @@ STAGE_WAIT_S = 0.005
 # empty steps (scheduler and workers polling), which takes the CPU from the promotion threads.
 STAGE_WAIT_IDLE_S = 0.05
 STAGE_GIVE_UP_S = 30.0
-STATS_REFRESH_S = 0.5
+STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 PENDING_OPS_MAX_S = 60.0
 
 
@@ -59,6 +59,7 @@ class _Req:
     staged: bool = False
     tiers: dict[str, int] = field(default_factory=dict)
     remote_candidates: list[bytes] = field(default_factory=list)
+    protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
 
 
 @dataclass
@@ -170,6 +171,8 @@ class HpkvScheduler:
                 need = [lk for lk, w in zip(lks[first:], where, strict=False) if w != MEMORY]
                 st.tiers = {MEMORY: where.count(MEMORY), STORAGE: where.count(STORAGE)}
                 st.remote_candidates = [lk for lk, w in zip(lks[first:], where, strict=False) if w is None]
+                st.protected = lks[first : first + len(where)]
+                self.catalog.protect(st.protected)
                 st.staging = self.catalog.stage(need, st.tenant)
                 st.staging_since = time.monotonic()
             if st.staging:
@@ -190,6 +193,7 @@ class HpkvScheduler:
                 st.remote_candidates = []
         self._counters["lookups"] += 1
         slots = self.catalog.pin(lks[first:])
+        self._unprotect(st)  # pinned now (what is in memory of it)
         hit = (first + len(slots)) * C
         if hit <= num_computed:
             self.catalog.unpin(slots)
@@ -318,6 +322,7 @@ class HpkvScheduler:
         st = self._reqs.pop(request.request_id, None)
         if st is not None:
             self._release_lease(st)
+            self._unprotect(st)
         self._write_stats()
 
     def reset_cache(self) -> bool:
@@ -327,6 +332,11 @@ class HpkvScheduler:
         log.info("hpkv: memory pool cleared (reset_external)")
         return True
 
+    def _unprotect(self, st: _Req) -> None:
+        if st.protected:
+            self.catalog.unprotect(st.protected)
+            st.protected = []
+
     def _release_lease(self, st: _Req) -> None:
         if st.lease:
             self.catalog.unpin(st.lease)
@@ -335,7 +345,15 @@ class HpkvScheduler:
     # -- observability ---------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        return {"tiers": self.catalog.stats(), "connector": dict(self._counters)}
+        """Counters, plus ``pending``: work whose counters are still to come (loads and stores the
+        workers have not reported, lookups staging). A reader that waits for ``pending == 0`` in a
+        file written after its request sees every count of that request (bench.server.settled_stats)."""
+        staging = sum(1 for st in list(self._reqs.values()) if st.staging)
+        return {
+            "tiers": self.catalog.stats(),
+            "connector": dict(self._counters),
+            "pending": len(self._ops) + staging,
+        }
 
     def _write_stats(self, force: bool = False) -> None:
         self.stats_file.write(self.stats, force=force)

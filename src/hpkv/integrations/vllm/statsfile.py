@@ -21,6 +21,7 @@ from typing import Any
 from hpkv.core.procs import pid_alive
 
 SUFFIX = ".stats.json"
+HEARTBEAT_S = 0.25
 
 
 class StatsFile:
@@ -28,6 +29,7 @@ class StatsFile:
         self.path = path
         self.model = model
         self._last_body = ""
+        self._last_write = 0.0
         self._lock = threading.Lock()
 
     @classmethod
@@ -42,13 +44,18 @@ class StatsFile:
         return cls(os.path.join(d, f"hpkv-{os.getpid()}{SUFFIX}"), model)
 
     def write(self, produce: Callable[[], dict[str, Any]], *, force: bool = False) -> None:
-        """Rewrite the file if the counters changed since the last write (or if forced)."""
-        data = produce()
-        body = json.dumps(data, sort_keys=True)
+        """Rewrite the file if the counters changed since the last write, if forced, or if the last
+        write is older than HEARTBEAT_S (so a reader can tell a file that is current from one
+        that lags: its ``time`` is recent). Counters are taken under the file's lock: two writers
+        (the scheduler thread, the refresher) can never put an older snapshot after a newer one."""
         with self._lock:
-            if body == self._last_body and not force:
+            data = produce()
+            body = json.dumps(data, sort_keys=True)
+            now = time.monotonic()
+            if body == self._last_body and not force and now - self._last_write < HEARTBEAT_S:
                 return
             self._last_body = body
+            self._last_write = now
             doc = {"pid": os.getpid(), "model": self.model, "time": time.time(), **data}
             tmp = f"{self.path}.tmp"
             with open(tmp, "w") as f:

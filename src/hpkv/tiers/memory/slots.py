@@ -14,6 +14,7 @@ Slot states:
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Container
 
 
 class SlotIndex:
@@ -47,19 +48,20 @@ class SlotIndex:
             self._doomed.discard(slot)
             self._free.append(slot)
 
-    def reserve(self) -> tuple[int, bytes | None] | None:
-        """A slot for a new record, pinned: a free one, or the least recently used unpinned one.
+    def reserve(self, protected: Container[bytes] = ()) -> tuple[int, bytes | None] | None:
+        """A slot for a new record, pinned: a free one, or the least recently used unpinned one
+        whose key is not in ``protected`` (chunks a lookup in progress is about to pin).
 
-        Returns ``(slot, evicted_key)``, or None when every slot is pinned or
-        reserved (the caller skips the write; it never waits). Eviction looks
-        past pinned entries, so it is O(1) unless many slots are pinned at once.
+        Returns ``(slot, evicted_key)``, or None when every slot is pinned, reserved or
+        protected (the caller skips the write; it never waits). Eviction looks past pinned
+        and protected entries, so it is O(1) unless many of them are the oldest.
         """
         if self._free:
             slot = self._free.pop()
             self._pins[slot] = 1
             return slot, None
         for key, slot in self._lru.items():
-            if self._pins[slot] == 0:
+            if self._pins[slot] == 0 and key not in protected:
                 del self._lru[key]
                 self._pins[slot] = 1
                 self.evictions += 1

@@ -17,7 +17,9 @@ while the server is down they return misses at once.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 from hpkv.core import record
@@ -31,6 +33,8 @@ NAME = "valkey"
 KEY_PREFIX = b"hpkv:"
 SHARED = "shared"  # the tenant segment of requests without a salt (hpkv.core.keys.tenant_tag)
 _LOG_EVERY_S = 30.0
+PRESENT_S = 300.0
+PRESENT_MAX = 65536
 
 
 class ValkeyConnection:
@@ -63,6 +67,11 @@ class ValkeyTier:
         self._ttl = conn.settings.ttl_sec
         self._stats = TierStats()
         self._last_log = 0.0
+        # Key names this process wrote or read back verified, lately (bounded; the server may evict
+        # or expire a key, so an entry is trusted for PRESENT_S at most).
+        self._present: OrderedDict[bytes, float] = OrderedDict()
+        self._present_lock = threading.Lock()
+        self._present_s = min(PRESENT_S, float(self._ttl)) if self._ttl else PRESENT_S
 
     def key_name(self, key: bytes, tenant: str = SHARED) -> bytes:
         """``hpkv:<tenant>:<namespace>:<key>``: a tenant's chunks share a prefix an ACL can grant."""
@@ -122,32 +131,38 @@ class ValkeyTier:
         n = self._call(priority, job, "get")
         if n is None or n < 0:
             self._stats.add("misses")
+            self._forget(name)
             return False
         verdict = record.verify(view, n, self.namespace, key, self.payload_bytes)
         if n != self.record_bytes or verdict is not record.Verdict.OK:
             verdict = verdict if n == self.record_bytes else record.Verdict.WRONG_LENGTH
             self._stats.add("corrupt")
             self._stats.add("misses")
+            self._forget(name)  # the next write of this chunk replaces the bad value
             self._log(
                 f"hpkv: valkey value {name.decode()} failed verification ({verdict.value}); treated as a miss"
             )
             return False
         self._stats.add("hits")
         self._stats.add("bytes_read", self.payload_bytes)
+        self._remember(name)
         return True
 
     # -- writes ----------------------------------------------------------------------
 
     def write(self, key: bytes, rec: memoryview, tenant: str = SHARED) -> bool:
-        """SET the sealed record unless the server already holds it (with the TTL when enabled).
-        True if the server holds it now. Sends ``rec`` without copying it in Python."""
+        """SET the sealed record (with the TTL when enabled), replacing whatever value the key
+        held: a corrupt or forged value there is overwritten, not kept. A chunk this process
+        wrote or read back verified in the last PRESENT_S seconds is not sent again. No EXISTS
+        first: it would count as a read in the server's keyspace_hits (the L2 proof) and cost a
+        round trip. True if the server holds it now. Sends ``rec`` without copying it in Python."""
         name = self.key_name(key, tenant)
+        if self._known(name):
+            return True
         value = memoryview(rec)[: self.record_bytes]
         ttl = self._ttl
 
         def job(client: Any) -> bool:
-            if client.exists([name]):
-                return False
             g = glide()
             expiry = g.ExpirySet(g.ExpiryType.SEC, ttl) if ttl else None
             client.set(name, value, expiry=expiry)
@@ -160,15 +175,37 @@ class ValkeyTier:
         if wrote:
             self._stats.add("writes")
             self._stats.add("bytes_written", self.payload_bytes)
+            self._remember(name)
         return True
+
+    def _known(self, name: bytes) -> bool:
+        with self._present_lock:
+            t = self._present.get(name)
+            return t is not None and time.monotonic() - t < self._present_s
+
+    def _remember(self, name: bytes) -> None:
+        with self._present_lock:
+            self._present[name] = time.monotonic()
+            self._present.move_to_end(name)
+            while len(self._present) > PRESENT_MAX:
+                self._present.popitem(last=False)
+
+    def _forget(self, name: bytes | None = None) -> None:
+        with self._present_lock:
+            if name is None:
+                self._present.clear()
+            else:
+                self._present.pop(name, None)
 
     def delete(self, key: bytes, tenant: str = SHARED) -> bool:
         name = self.key_name(key, tenant)
+        self._forget(name)
         return bool(self._call(Priority.PUT, lambda c: c.delete([name]), "del"))
 
     def clear(self) -> int:
         """Delete every chunk of this namespace on the server (other namespaces and keys stay)."""
         pattern = KEY_PREFIX + b"*:" + self._ns + b":*"
+        self._forget()
         cluster = self.conn.settings.cluster
 
         def job(client: Any) -> int:
