@@ -109,10 +109,11 @@ class Counters:
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.before = server.hpkv_stats()
+        self.before = server.settled_stats()
 
     def delta(self, tier: str, name: str) -> int:
-        return counter(self.server.hpkv_stats(), tier, name) - counter(self.before, tier, name)
+        # Settled: on CUDA a store's copy lands (and is counted) after the response was sent.
+        return counter(self.server.settled_stats(), tier, name) - counter(self.before, tier, name)
 
 
 def text(server: Server, prompt: str, n: int = 16) -> str:

@@ -156,6 +156,9 @@ def write_demo_model(path: str, size: str = "tiny", seed: int = 0, dtype: str | 
         with torch.device(device):
             model = transformers.Qwen2ForCausalLM(cfg)
         model.save_pretrained(path, safe_serialization=True)
+        del model
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the engine started next needs the GPU's memory
     finally:
         torch.set_default_dtype(previous)
     with open(os.path.join(path, "hpkv-words.txt"), "w") as f:
