@@ -120,3 +120,12 @@ def test_restart_hits_from_storage_per_adapter_and_tenant(server: Server, env: d
     assert t1.text == salted["text"]
     t2 = Seen(server, salted["prompt"], cache_salt="tenant-2")  # stored before the restart, by tenant-2
     assert t2.loaded == t2.external == FULL
+
+
+def test_a_server_stopped_with_sigterm_leaves_no_pool_file(server: Server) -> None:
+    """Stopped the normal way (SIGTERM to its process group), vLLM with hpkv leaves nothing in
+    /dev/shm; the pool files held as much RAM as the pool until a later start reclaimed them."""
+    shm = server.env["HPKV_SHARE_MEM_FILE_PATH"]
+    assert [n for n in os.listdir(shm) if n.endswith(".shm")], "the running engine has its pool file"
+    server.stop()
+    assert not [n for n in os.listdir(shm) if n.endswith(".shm")]

@@ -204,3 +204,46 @@ def test_reserve_never_evicts_protected_keys() -> None:
     idx.commit(got[0], b"d")
     assert idx.reserve(protected={b"a", b"b", b"d"}) is None  # a shorter hit, never a thrash
     idx.check()
+
+
+def _pool_script(path: str, then: str) -> list[str]:
+    import sys
+
+    code = (
+        "import sys, time\n"
+        "from hpkv.tiers.memory.pool import ShmPool\n"
+        f"p = ShmPool({path!r}, 256 << 20)\n"
+        "print('ready', flush=True)\n" + then
+    )
+    return [sys.executable, "-c", code]
+
+
+def test_exit_without_close_is_clean_and_leaves_no_file(shm_dir: str) -> None:
+    """Ending right after start (the pre-fault thread still inside torch) aborted with
+    'terminate called without an active exception' and left the file in /dev/shm."""
+    import subprocess
+
+    path = os.path.join(shm_dir, "exit.shm")
+    for _ in range(3):
+        r = subprocess.run(_pool_script(path, ""), capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "terminate called" not in r.stderr
+        assert not os.path.exists(path)
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_removes_the_pool_file(shm_dir: str, sig: str) -> None:
+    """How a process manager (or Ctrl-C) stops an engine: the pool file goes with the process."""
+    import signal
+    import subprocess
+
+    path = os.path.join(shm_dir, f"{sig}.shm")
+    p = subprocess.Popen(
+        _pool_script(path, "time.sleep(60)\n"), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+    assert os.path.exists(path)
+    p.send_signal(getattr(signal, sig))
+    rc = p.wait(timeout=30)
+    assert rc != 0  # the signal still ends the process as it would have
+    assert not os.path.exists(path)

@@ -164,14 +164,14 @@ def test_enospc_on_a_real_full_filesystem(small_tmpfs: str | None, monkeypatch: 
 
 
 def test_unreadable_chunk_path_is_a_miss_and_an_error(storage_dir: str) -> None:
-    """An I/O error on read (here EISDIR: a directory where the file should be; root ignores
-    permission bits, so EACCES cannot be produced) is a miss and a counted error, never an exception."""
+    """Something other than a regular file where the chunk should be (here a directory; root ignores
+    permission bits, so EACCES cannot be produced) is a counted miss, never an exception."""
     t = tier(storage_dir)
     t.write(k(1), rec(k(1), 1))
     os.unlink(t.path(k(1)))
     os.mkdir(t.path(k(1)))
     assert not t.read_into(k(1), buf())
-    assert t.stats()["errors"] == 1 and t.stats()["misses"] == 1
+    assert t.stats()["corrupt"] == 1 and t.stats()["misses"] == 1
 
 
 def test_unwritable_root_is_a_config_error(tmp_path: object) -> None:

@@ -13,7 +13,8 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
+import secrets
+import stat
 from typing import Any
 
 PAGE = 4096  # O_DIRECT alignment of offsets (buffers come page-aligned from mmap)
@@ -32,10 +33,48 @@ SOFT_ERRNOS = {
 }
 
 
+# Opening a file hpkv reads or writes: never through a symlink planted at its name, never blocking
+# on a FIFO or device put there (O_NONBLOCK is a no-op for regular files).
+READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+class NotAChunkFile(OSError):
+    """A name that holds something other than a regular file (a FIFO, a device, a directory)."""
+
+
+def create_exclusive(directory: str, prefix: str) -> tuple[int, str]:
+    """A new file of mode 0600 under a random name in ``directory``: O_EXCL, so a file or symlink
+    someone planted at the name is never opened or followed. Returns (fd, path)."""
+    for _ in range(16):
+        path = os.path.join(directory, f"{prefix}.{secrets.token_hex(8)}.tmp")
+        try:
+            return os.open(path, CREATE_FLAGS, 0o600), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
+
+
+def open_regular(path: str) -> int:
+    """``path`` opened for reading if it is a regular file (not followed if a symlink, never
+    blocking on a FIFO); raises NotAChunkFile for anything else, OSError as usual."""
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a symlink at a chunk's name
+            raise NotAChunkFile(errno.ELOOP, "a symlink, not a chunk file", path) from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise NotAChunkFile(errno.EINVAL, "not a regular file", path)
+    return fd
+
+
 def write_atomic(path: str, data: memoryview) -> None:
-    """Write ``data`` to ``path`` through a temp file + rename (mode 0600). Raises OSError."""
-    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    """Write ``data`` to ``path`` through a new temp file (random name, O_EXCL|O_NOFOLLOW, mode
+    0600) renamed into place (rename replaces a symlink at ``path``, never writes through it).
+    Raises OSError."""
+    fd, tmp = create_exclusive(os.path.dirname(path), f".{os.path.basename(path)}")
     try:
         view = data
         while view:
@@ -80,7 +119,7 @@ class Reader:
         reported as ``expected + 1`` bytes so the caller sees a length mismatch
         without reading it all. Raises OSError (FileNotFoundError when absent).
         """
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path)
         try:
             st = os.fstat(fd)
             if st.st_size > expected:
@@ -110,7 +149,7 @@ class Reader:
     def _open_direct(self, path: str) -> int:
         """An O_DIRECT descriptor, or -1 when this file system has none (then never again)."""
         try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)
+            return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise

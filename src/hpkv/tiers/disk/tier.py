@@ -14,8 +14,10 @@ count an error; during a read they are a miss.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import stat
 import threading
 import time
 
@@ -23,7 +25,7 @@ from hpkv.core import record
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.stats import TierStats
 from hpkv.tiers.disk.index import DiskIndex
-from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, write_atomic
+from hpkv.tiers.disk.io import SOFT_ERRNOS, NotAChunkFile, Reader, create_exclusive, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +62,8 @@ class StorageTier:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             for i in range(256):
                 os.makedirs(os.path.join(self.root, f"{i:02x}"), mode=0o700, exist_ok=True)
-            probe = os.path.join(self.root, f".probe.{os.getpid()}")
-            with open(probe, "wb"):
-                pass
+            fd, probe = create_exclusive(self.root, ".probe")  # never through a planted link
+            os.close(fd)
             os.unlink(probe)
         except OSError as e:
             raise HpkvConfigError(
@@ -82,6 +83,7 @@ class StorageTier:
     def _scan(self) -> int:
         """Index every chunk file of this namespace's size; remove temp files left by crashes."""
         found: list[tuple[float, bytes, int]] = []
+        foreign = 0
         now = time.time()
         for i in range(256):
             sub = os.path.join(self.root, f"{i:02x}")
@@ -93,15 +95,24 @@ class StorageTier:
                 for entry in it:
                     name = entry.name
                     try:
-                        if name.endswith(".tmp"):
-                            if now - entry.stat().st_mtime > _STALE_TMP_S:
-                                os.unlink(entry.path)
+                        # Only regular files count; a symlink, FIFO or directory is not a record.
+                        if not entry.is_file(follow_symlinks=False):
+                            continue
+                        if name.startswith(".") and name.endswith(".tmp"):
+                            if now - entry.stat(follow_symlinks=False).st_mtime > _STALE_TMP_S:
+                                os.unlink(entry.path)  # unlink never follows a link
                             continue
                         if not name.endswith(SUFFIX) or len(name) != 32 + len(SUFFIX):
                             continue
-                        st = entry.stat()
+                        st = entry.stat(follow_symlinks=False)
                         key = bytes.fromhex(name[:32])
                     except (OSError, ValueError):
+                        continue
+                    # A file of another size is another layout's record or not a record at all:
+                    # neither counted against the capacity nor evicted (one absurd file must not
+                    # push every valid chunk out).
+                    if st.st_size != self.record_bytes:
+                        foreign += 1
                         continue
                     found.append((st.st_mtime, key, st.st_size))
         found.sort()
@@ -110,6 +121,12 @@ class StorageTier:
                 self._index.add(key, size)
             excess = self._index.victims(0)
         self._unlink_all(excess)
+        if foreign:
+            log.info(
+                "hpkv: storage %s: %d files of another size ignored (not this layout's records)",
+                self.root,
+                foreign,
+            )
         return len(found)
 
     # -- lookups and reads ----------------------------------------------------
@@ -120,8 +137,10 @@ class StorageTier:
             if key in self._index:
                 return True
         try:
-            st = os.stat(self.path(key))
+            st = os.lstat(self.path(key))
         except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode) or st.st_size != self.record_bytes:
             return False
         with self._lock:
             self._index.add(key, st.st_size)
@@ -136,6 +155,16 @@ class StorageTier:
         except FileNotFoundError:
             self._forget(key)
             self._stats.add("misses")
+            return False
+        except NotAChunkFile:
+            self._stats.add("corrupt")
+            self._stats.add("misses")
+            self._rate_limited_log(
+                f"hpkv: storage {path} is not a regular file; treated as a miss and removed"
+            )
+            self._forget(key)
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # removes the name (a link, a FIFO), never what a link points to
             return False
         except OSError as e:
             self._error("read", path, e)
@@ -173,7 +202,13 @@ class StorageTier:
         self._unlink_all(victims)
         path = self.path(key)
         try:
-            write_atomic(path, rec)
+            try:
+                write_atomic(path, rec)
+            except FileNotFoundError:
+                self._recreate()  # the directory vanished under us: make it again, try once more
+                with self._lock:
+                    self._index.add(key, len(rec))
+                write_atomic(path, rec)
         except OSError as e:
             with self._lock:
                 self._index.remove(key)
@@ -243,6 +278,19 @@ class StorageTier:
         pass
 
     # -- helpers ---------------------------------------------------------------
+
+    def _recreate(self) -> None:
+        """The storage directory (or a part) was deleted while running: forget what it held
+        (lookups must not claim chunks that are gone) and create it again."""
+        if not os.path.isdir(self.root):
+            with self._lock:
+                self._index.clear()
+            log.warning(
+                "hpkv: storage directory %s vanished; recreated it, its chunks are forgotten", self.root
+            )
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        for i in range(256):
+            os.makedirs(os.path.join(self.root, f"{i:02x}"), mode=0o700, exist_ok=True)
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

@@ -10,6 +10,7 @@ next start in the same directory.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
@@ -17,7 +18,10 @@ import logging
 import mmap
 import os
 import re
+import signal
 import threading
+import weakref
+from typing import Any
 
 import torch
 
@@ -174,6 +178,8 @@ class ShmPool:
         self._stop_prefault = threading.Event()
         self._prefault = threading.Thread(target=self._touch_all, name="hpkv-prefault", daemon=True)
         self._prefault.start()
+        _OWNED.add(self)
+        _install_exit_cleanup()
 
     def _touch_all(self) -> None:
         """Read one byte of every page, in the background, once.
@@ -236,6 +242,52 @@ class ShmPool:
             self._mm.close()
         if self._fd >= 0:
             os.close(self._fd)
+
+
+# Pools this process created and has not closed: removed at interpreter exit and on SIGTERM/SIGINT,
+# so a process that ends without close() (an engine stopped by its process manager, a script that
+# forgot) leaves no file holding RAM in /dev/shm.
+_OWNED: weakref.WeakSet[ShmPool] = weakref.WeakSet()
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _install_exit_cleanup() -> None:
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        _installed = True
+    # atexit runs before daemon threads are frozen: the prefault thread is stopped and joined there,
+    # not torn down inside torch (which aborted the process: "terminate called without an active
+    # exception").
+    atexit.register(_close_owned)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous = signal.getsignal(sig)
+            signal.signal(sig, _make_handler(previous))
+        except (ValueError, OSError):  # not the main thread: atexit still covers a normal exit
+            pass
+
+
+def _close_owned() -> None:
+    for pool in list(_OWNED):
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+def _make_handler(previous: Any) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        for pool in list(_OWNED):  # the file only: mappings (workers') stay valid until they end
+            if pool._owner:
+                _unlink_quietly(pool.path)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    return handler
 
 
 def slot_bytes(record_bytes: int) -> int:

@@ -1,0 +1,104 @@
+"""The storage tier against what an attacker or an unlucky operator puts in its directory.
+
+Real files, symlinks, FIFOs and sparse files under tmp_path; every test asserts the safe outcome:
+the planted target untouched, the call returning within a bound, valid chunks kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+
+from hpkv.core import record
+from hpkv.tiers.disk import StorageTier
+from tests.tiers.test_storage import NS, PAYLOAD, buf, k, rec, tier
+
+
+def returns_within(seconds: float, fn: object) -> object:
+    """Run ``fn`` on a thread; fail if it does not return in ``seconds`` (a hang is the bug)."""
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)  # type: ignore[operator]
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"did not return within {seconds} s"
+    return out[0]
+
+
+def test_a_fifo_in_place_of_a_chunk_is_a_miss_at_once(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    os.mkfifo(t.path(k(1)))
+    assert not t.contains(k(1))
+    assert returns_within(5, lambda: t.read_into(k(1), buf())) is False
+    assert not os.path.exists(t.path(k(1)))  # the name is removed; a write can use it again
+    assert t.write(k(1), rec(k(1), 1)) and t.read_into(k(1), buf())
+    returns_within(5, t.close)
+
+
+def test_a_symlink_at_a_chunk_name_is_not_followed(storage_dir: str, tmp_path: object) -> None:
+    t = tier(storage_dir)
+    target = os.path.join(str(tmp_path), "precious")
+    with open(target, "wb") as f:
+        f.write(bytes(rec(k(1), 7)))  # even a valid record behind a link is not served
+    os.symlink(target, t.path(k(1)))
+    assert not t.contains(k(1))
+    assert not t.read_into(k(1), buf())
+    assert t.write(k(2), rec(k(2), 2))
+    os.symlink(target, t.path(k(3)))
+    assert t.write(k(3), rec(k(3), 3))  # rename replaces the link, never writes through it
+    assert not os.path.islink(t.path(k(3)))
+    with open(target, "rb") as f:
+        assert f.read() == bytes(rec(k(1), 7))
+
+
+def test_temp_and_probe_names_cannot_be_planted(storage_dir: str, tmp_path: object) -> None:
+    """The old names (.<chunk>.<pid>.<tid>.tmp, .probe.<pid>) were predictable; links planted there
+    were followed. Now both are random and created O_EXCL|O_NOFOLLOW."""
+    target = os.path.join(str(tmp_path), "victim")
+    with open(target, "wb") as f:
+        f.write(b"keep me")
+    root = os.path.join(storage_dir, "v1")
+    os.makedirs(root)
+    os.symlink(target, os.path.join(root, f".probe.{os.getpid()}"))
+    t = tier(storage_dir)
+    sub = os.path.dirname(t.path(k(1)))
+    name = f".{os.path.basename(t.path(k(1)))}.{os.getpid()}.{threading.get_ident()}.tmp"
+    os.symlink(target, os.path.join(sub, name))
+    assert t.write(k(1), rec(k(1), 1))
+    with open(target, "rb") as f:
+        assert f.read() == b"keep me"
+    assert not os.path.islink(t.path(k(1)))
+
+
+def test_one_absurd_file_does_not_evict_the_valid_chunks(storage_dir: str) -> None:
+    t = tier(storage_dir, capacity=1 << 20)
+    for i in range(5):
+        assert t.write(k(i), rec(k(i), i))
+    huge = t.path(k(99))
+    with open(huge, "wb") as f:
+        f.truncate(10 << 30)  # 10 GB, sparse, newest
+    t2 = tier(storage_dir, capacity=1 << 20)
+    assert t2.scanned == 5
+    assert all(t2.read_into(k(i), buf()) for i in range(5))
+    assert os.path.exists(huge)  # not ours to delete either: ignored, not counted
+    assert t2.stats()["used_bytes"] == 5 * record.record_bytes(PAYLOAD)
+
+
+def test_a_deleted_storage_dir_is_recreated_and_forgotten(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    assert t.write(k(1), rec(k(1), 1))
+    shutil.rmtree(storage_dir)
+    assert t.write(k(2), rec(k(2), 2))  # recreated on the next write
+    assert t.stats()["chunks"] == 1 and not t.contains(k(1))
+    assert t.read_into(k(2), buf())
+
+
+def test_a_directory_in_place_of_a_chunk(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    os.mkdir(t.path(k(1)))
+    assert not t.contains(k(1))
+    start = time.monotonic()
+    assert not t.read_into(k(1), buf())
+    assert time.monotonic() - start < 5
+    assert StorageTier(storage_dir, 1 << 30, PAYLOAD, NS).scanned == 0
