@@ -90,7 +90,10 @@ def small_tmpfs(tmp_path: Any) -> Iterator[str | None]:
     """A real 1 MiB tmpfs, or None where mounting is not permitted (tests then inject the fault)."""
     mnt = tmp_path / "tiny-tmpfs"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True)
+    # mode=0700: a fresh tmpfs is world-writable (1777), which hpkv refuses for a storage directory.
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1M,mode=0700", "tmpfs", str(mnt)], capture_output=True
+    )
     if r.returncode != 0:
         yield None
         return

@@ -11,8 +11,12 @@ import shutil
 import threading
 import time
 
+import pytest
+
+from hpkv import HpkvConfig, HpkvConfigError
 from hpkv.core import record
 from hpkv.tiers.disk import StorageTier
+from hpkv.tiers.memory.pool import ShmPool
 from tests.tiers.test_storage import NS, PAYLOAD, buf, k, rec, tier
 
 
@@ -102,3 +106,53 @@ def test_a_directory_in_place_of_a_chunk(storage_dir: str) -> None:
     assert not t.read_into(k(1), buf())
     assert time.monotonic() - start < 5
     assert StorageTier(storage_dir, 1 << 30, PAYLOAD, NS).scanned == 0
+
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
+
+
+@needs_root
+def test_a_directory_another_user_owns_is_refused(tmp_path: object) -> None:
+    """Another user who owns or can write the storage directory can plant records with valid
+    checksums; hpkv refuses to start on it rather than serve them."""
+    d = os.path.join(str(tmp_path), "theirs")
+    os.mkdir(d, 0o777)
+    os.chmod(d, 0o777)
+    os.chown(d, 12345, 12345)
+    with pytest.raises(HpkvConfigError, match=r"HPKV_KV_STORAGE_PATH=.*owned by uid 12345.*e\.g\. ~/storage"):
+        tier(d)
+    with pytest.raises(HpkvConfigError, match=r"HPKV_SHARE_MEM_FILE_PATH=.*owned by uid 12345"):
+        ShmPool(os.path.join(d, "pool.shm"), 1 << 20)
+
+
+def test_a_directory_others_can_write_is_refused_a_trusted_group_is_allowed(tmp_path: object) -> None:
+    d = os.path.join(str(tmp_path), "open")
+    os.mkdir(d)
+    os.chmod(d, 0o777)
+    with pytest.raises(HpkvConfigError, match="writable by every user"):
+        tier(d)
+    os.chmod(d, 0o770)
+    with pytest.raises(HpkvConfigError, match="HPKV_SHARED_GROUP=true"):
+        tier(d)
+    assert tier(d, shared_group=True).write(k(1), rec(k(1), 1))
+    cfg = HpkvConfig.load(env={"HPKV_SHARED_GROUP": "true", "HPKV_KV_STORAGE_PATH": d})
+    assert cfg.shared_group
+
+
+def test_a_file_that_is_not_a_pool_is_never_deleted_as_stale(tmp_path: object) -> None:
+    d = os.path.join(str(tmp_path), "shm")
+    os.mkdir(d, 0o700)
+    mine = os.path.join(d, "x.shm")
+    with open(mine, "wb") as f:
+        f.write(b"my notes")
+    with pytest.raises(HpkvConfigError, match=r"HPKV_SHARE_MEM_FILE_PATH=.*already exists"):
+        ShmPool(mine, 1 << 20)
+    with open(mine, "rb") as f:
+        assert f.read() == b"my notes"
+    # A pool file of this size left by a crash (ours, unlocked) is reclaimed as before.
+    left = os.path.join(d, "left.shm")
+    with open(left, "wb") as f:
+        f.truncate(1 << 20)
+    p = ShmPool(left, 1 << 20)
+    p.close()
+    assert not os.path.exists(left)

@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import os
+import re
+import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,6 +33,8 @@ import yaml
 
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.units import parse_bool, parse_size
+
+log = logging.getLogger("hpkv")
 
 ENV_PREFIX = "HPKV_"
 CONFIG_FILE_ENV = "HPKV_CONFIG_FILE"
@@ -57,6 +62,7 @@ _SPECS: dict[str, _Spec] = {
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
+    "shared_group": _Spec("HPKV_SHARED_GROUP", "true", "bool"),
     "remote_url": _Spec("HPKV_REMOTE_URL", "valkey://127.0.0.1:6379", "url"),
     "valkey_num_workers": _Spec("HPKV_VALKEY_NUM_WORKERS", "8", "int", minimum=1, maximum=256),
     "valkey_mode": _Spec("HPKV_VALKEY_MODE", "cluster", "choice"),
@@ -127,6 +133,8 @@ class HpkvConfig:
     cascade_queue_chunks: int = 256
     # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.
     layerwise_load: bool = False
+    # Accept pool and storage directories that their group may write (a group of trusted engines).
+    shared_group: bool = False
     # The remote (Valkey/Redis) tier: valkey://host:port[,host:port...] (valkeys:// = TLS); None disables it.
     remote_url: str | None = field(default=None, repr=False)
     # Threads talking to Valkey, each with its own client.
@@ -248,17 +256,44 @@ class HpkvConfig:
 _FOREIGN_ENV = {"HPKV_TEST_KEEP", "HPKV_LOG_LEVEL"}
 
 
+YAML_MAX_BYTES = 1 << 20
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
+    """The settings file: a regular file (a FIFO would block the start for ever) of at most
+    YAML_MAX_BYTES of UTF-8, read with the safe loader and without anchors or aliases (a few
+    lines of aliases expand to gigabytes; a settings file never needs them)."""
+
+    def bad(why: str) -> HpkvConfigError:
+        return HpkvConfigError(
+            f"{CONFIG_FILE_ENV}={shown(path)} {why}; point it at a YAML file, e.g. /etc/hpkv.yaml"
+        )
+
     try:
-        with open(os.path.expanduser(path), encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        fd = os.open(os.path.expanduser(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise HpkvConfigError(
-            f"{CONFIG_FILE_ENV}={path!r} cannot be read ({e.strerror}); "
-            "point it at a YAML file, e.g. /etc/hpkv.yaml"
-        ) from None
+        raise bad(f"cannot be read ({e.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise bad("is not a regular file")
+        raw = os.read(fd, YAML_MAX_BYTES + 1)
+    except OSError as e:
+        raise bad(f"cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(raw) > YAML_MAX_BYTES:
+        raise bad(f"is larger than {YAML_MAX_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad("is not UTF-8 text") from None
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise bad("uses YAML aliases (*name), which hpkv does not accept")
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise HpkvConfigError(f"{CONFIG_FILE_ENV}={path!r} is not valid YAML: {e}") from None
+        raise HpkvConfigError(f"{CONFIG_FILE_ENV}={shown(path)} is not valid YAML: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -371,28 +406,28 @@ def parse_remote_url(url: str, where: str = "HPKV_REMOTE_URL") -> RemoteURL:
         part = part.strip()
         if not part:
             raise bad("has an empty host")
-        host, colon, port_text = (
-            part.rpartition(":") if part.count(":") == 1 or "]" in part else (part, "", "")
-        )
+        if part.count(":") > 1 and "]" not in part:
+            raise bad(f"has a host {part!r} with more than one ':' (an IPv6 address goes in [brackets])")
+        host, colon, port_text = part.rpartition(":") if ":" in part else (part, "", "")
         if not colon:
             host, port_text = part, "6379"
         host = host.strip("[]")
         if not host:
             raise bad("has an empty host")
-        try:
-            port = int(port_text)
-        except ValueError:
-            raise bad(f"has a bad port {port_text!r}") from None
+        if not re.fullmatch(r"[0-9]{1,5}", port_text, re.ASCII):
+            raise bad(f"has a bad port {port_text!r}")
+        port = int(port_text)
         if not 0 < port < 65536:
             raise bad(f"has a port {port} outside 1..65535")
         nodes.append((host, port))
     database = None
     path = path.split("?")[0].strip("/")
     if path:
-        try:
-            database = int(path)
-        except ValueError:
-            raise bad(f"has a database {path!r} that is not a number") from None
+        if not re.fullmatch(r"[0-9]{1,7}", path, re.ASCII):
+            raise bad(f"has a database {path!r} that is not a number from 0 to {1 << 20}")
+        database = int(path)
+        if database > 1 << 20:
+            raise bad(f"has a database {database} above {1 << 20}")
     return RemoteURL(tuple(nodes), scheme.lower().endswith("s"), username, password, database)
 
 
@@ -403,24 +438,40 @@ def _unknown_message(what: str, valid: list[str], noun: str) -> str:
     return f"unknown {noun} {what}; {hint}valid: {', '.join(sorted(valid))}"
 
 
+def shown(raw: Any, limit: int = 48) -> str:
+    """``repr`` of a value for a message, shortened (a 400-digit size must not fill the screen)."""
+    text = repr(raw)
+    return text if len(text) <= limit else f"{text[: limit - 5]}…{text[-4:]}"
+
+
+_INT_RE = re.compile(r"^[+-]?[0-9]+$", re.ASCII)
+_FLOAT_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$", re.ASCII)
+_relative_logged: set[str] = set()
+
+
+def _has_surrogate(text: str) -> bool:
+    return any("\ud800" <= c <= "\udfff" for c in text)
+
+
 def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
     def bad(why: str) -> HpkvConfigError:
-        return HpkvConfigError(f"{where}={raw!r} {why}; use e.g. {spec.example}")
+        return HpkvConfigError(f"{where}={shown(raw)} {why}; use e.g. {spec.example}")
 
     if spec.kind == "optint" and (raw is None or (isinstance(raw, str) and raw.strip() == "")):
         return None
     if spec.kind == "size":
         try:
             return parse_size(raw)
-        except ValueError:
-            raise bad("is not a size") from None
+        except ValueError as e:
+            msg = str(e)
+            raise bad(msg if msg.startswith(("is ", "rounds")) else "is not a size") from None
     if spec.kind in ("int", "optint"):
         if isinstance(raw, bool):
             raise bad("is not an integer")
-        try:
-            value = int(str(raw).strip()) if not isinstance(raw, int) else raw
-        except ValueError:
-            raise bad("is not an integer") from None
+        text = str(raw).strip() if not isinstance(raw, int) else ""
+        if not isinstance(raw, int) and (len(text) > 20 or not _INT_RE.match(text)):
+            raise bad("is not an integer")
+        value = raw if isinstance(raw, int) else int(text)
         if spec.minimum is not None and value < spec.minimum:
             raise bad(f"is below the minimum {spec.minimum}")
         if spec.maximum is not None and value > spec.maximum:
@@ -429,9 +480,12 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
     if spec.kind == "float":
         if isinstance(raw, bool):
             raise bad("is not a number")
+        text = str(raw).strip() if not isinstance(raw, int | float) else ""
+        if not isinstance(raw, int | float) and (len(text) > 40 or not _FLOAT_RE.match(text)):
+            raise bad("is not a number")
         try:
-            fvalue = float(str(raw).strip()) if not isinstance(raw, int | float) else float(raw)
-        except ValueError:
+            fvalue = float(text) if text else float(raw)
+        except (ValueError, OverflowError):
             raise bad("is not a number") from None
         if not math.isfinite(fvalue) or (spec.minimum is not None and fvalue <= spec.minimum):
             raise bad(f"must be a number above {spec.minimum}")
@@ -454,6 +508,10 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
             return None
         if not isinstance(raw, str | int) or isinstance(raw, bool):
             raise HpkvConfigError(f"{where} is not a string; use e.g. {spec.example}")
+        if isinstance(raw, str) and _has_surrogate(raw):
+            raise HpkvConfigError(
+                f"{where} holds a lone surrogate (not valid Unicode); use e.g. {spec.example}"
+            )
         return str(raw)
     if spec.kind == "bool":
         try:
@@ -467,12 +525,23 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
             raise bad("is empty")
         if not isinstance(raw, str | os.PathLike):
             raise bad("is not a path")
-        text = os.fspath(raw)
-        if "\0" in str(text):
+        text = str(os.fspath(raw))
+        if "\0" in text:
             raise bad("contains a NUL byte")
-        return str(text)
+        full = os.path.expanduser(text)
+        if not os.path.isabs(full):
+            # A relative path would follow the working directory of whichever process reads it
+            # (vLLM's engine and workers may differ): made absolute here, once, and said.
+            full = os.path.abspath(full)
+            if full not in _relative_logged:
+                _relative_logged.add(full)
+                log.warning("hpkv: %s=%r is relative; using %s", where, text, full)
+            return full
+        return text
     if spec.kind == "str":
         if not isinstance(raw, str):
             raise bad("is not a string")
+        if _has_surrogate(raw):
+            raise bad("holds a lone surrogate (not valid Unicode)")
         return raw
     raise AssertionError(f"unknown kind {spec.kind} for {name}")  # pragma: no cover

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+# ASCII digits only: Python's float() and int() also take full-width and other Unicode digits.
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE | re.ASCII)
+MAX_SIZE = 1 << 60  # 1 EiB: anything larger is a typo, not a pool
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
 
 
@@ -21,11 +23,15 @@ def parse_size(value: object) -> int:
     if isinstance(value, int):
         if value < 0:
             raise ValueError("a size cannot be negative")
+        if value > MAX_SIZE:
+            raise ValueError("is too large")
         return value
     if isinstance(value, float):
-        if value < 0 or value != value:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("is not a finite size")
+        if value < 0:
             raise ValueError("a size cannot be negative")
-        return int(value)
+        return _checked(value, value == 0)
     if not isinstance(value, str):
         raise ValueError(f"{type(value).__name__} is not a size")
     m = _SIZE_RE.match(value)
@@ -36,7 +42,18 @@ def parse_size(value: object) -> int:
         suffix = "ib"
     if not unit and suffix and suffix.lower() != "b":
         raise ValueError("not a size")
-    return int(float(number) * (1024 ** _POWERS[unit.lower()]))
+    if len(number) > 30:
+        raise ValueError("is too large")
+    return _checked(float(number) * (1024 ** _POWERS[unit.lower()]), float(number) == 0)
+
+
+def _checked(n: float, written_as_zero: bool) -> int:
+    """Whole bytes; refuses what is too large, and what rounds to 0 unless it was written as 0."""
+    if n > MAX_SIZE:
+        raise ValueError("is too large")
+    if int(n) == 0 and not written_as_zero:
+        raise ValueError("rounds to 0 bytes (write 0 to turn it off)")
+    return int(n)
 
 
 def format_size(n: int) -> str:

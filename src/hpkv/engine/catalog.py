@@ -87,6 +87,7 @@ class Catalog:
                             config.mem_pool_size,
                             where=config.where("mem_pool_size"),
                             path_where=config.where("share_mem_file_path"),
+                            shared_group=config.shared_group,
                         )
                     )
                 num_slots = config.mem_pool_size // self.slot_bytes
@@ -101,6 +102,7 @@ class Catalog:
                             self.rank_digests[r],
                             o_direct=config.storage_o_direct,
                             where=config.where("storage_path"),
+                            shared_group=config.shared_group,
                         )
                     )
             remote = ValkeySettings.from_config(config)

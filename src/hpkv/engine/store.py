@@ -83,6 +83,7 @@ class KVStore:
                     config.mem_pool_size,
                     where=config.where("mem_pool_size"),
                     path_where=config.where("share_mem_file_path"),
+                    shared_group=config.shared_group,
                 )
                 self.memory = MemoryTier(pool, self.payload_bytes, self._ns)
             root = config.resolved_storage_path
@@ -94,6 +95,7 @@ class KVStore:
                     self._ns,
                     o_direct=config.storage_o_direct,
                     where=config.where("storage_path"),
+                    shared_group=config.shared_group,
                 )
             remote = ValkeySettings.from_config(config)
             if remote is not None:

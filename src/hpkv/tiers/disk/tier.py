@@ -23,6 +23,7 @@ import time
 
 from hpkv.core import record
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.paths import check_private_dir
 from hpkv.core.stats import TierStats
 from hpkv.tiers.disk.index import DiskIndex
 from hpkv.tiers.disk.io import SOFT_ERRNOS, NotAChunkFile, Reader, create_exclusive, write_atomic
@@ -48,6 +49,7 @@ class StorageTier:
         *,
         o_direct: bool = True,
         where: str = "HPKV_KV_STORAGE_PATH",
+        shared_group: bool = False,
     ) -> None:
         self.root = os.path.join(root, FORMAT_DIR)
         self.payload_bytes = payload_bytes
@@ -70,6 +72,9 @@ class StorageTier:
                 f"{where}={root!r} is not a writable directory ({e.strerror}); "
                 "use a directory you can write, e.g. ~/storage"
             ) from None
+        # Checked after creating it (mode 0700): a directory another user owns or can write is refused.
+        check_private_dir(root, where, "~/storage", shared_group=shared_group)
+        check_private_dir(self.root, where, "~/storage", shared_group=shared_group)
         t0 = time.perf_counter()
         self.scanned = self._scan()
         self.scan_seconds = time.perf_counter() - t0

@@ -19,6 +19,7 @@ import mmap
 import os
 import re
 import signal
+import stat
 import threading
 import weakref
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.paths import check_private_dir
 from hpkv.core.procs import pid_alive
 
 log = logging.getLogger(__name__)
@@ -69,8 +71,12 @@ def reclaim_stale(directory: str) -> list[str]:
             continue
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
+            continue
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)  # named like a pool but not ours: never deleted
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -88,13 +94,18 @@ def reclaim_stale(directory: str) -> list[str]:
     return removed
 
 
-def _reclaim_if_unlocked(path: str) -> None:
-    """Remove ``path`` if no process holds its lock (a named pool file left by a crash)."""
+def _reclaim_if_unlocked(path: str, size: int) -> None:
+    """Remove ``path`` if it is a pool file left by a crash: a regular file of this user, of
+    exactly ``size`` bytes, whose lock no process holds. Anything else at that name (a user's
+    file, a link) is left alone; creating the pool then fails with a clear message."""
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return
     try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+            return
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.unlink(path)
         log.warning("hpkv: removed stale memory pool file %s", path)
@@ -118,6 +129,7 @@ class ShmPool:
         *,
         where: str = "HPKV_KV_MEM_POOL_SIZE",
         path_where: str = "HPKV_SHARE_MEM_FILE_PATH",
+        shared_group: bool = False,
     ) -> None:
         self.path = path
         self.size = size
@@ -129,9 +141,10 @@ class ShmPool:
                 f"{path_where}={directory!r} cannot be created ({e.strerror}); "
                 "use a directory on a tmpfs you can write, e.g. /dev/shm/hpkv"
             ) from None
+        check_private_dir(directory, path_where, "/dev/shm/hpkv", shared_group=shared_group, sticky_ok=True)
         reclaim_stale(directory)
-        if os.path.exists(path):
-            _reclaim_if_unlocked(path)
+        if os.path.lexists(path):
+            _reclaim_if_unlocked(path, size)
         try:
             st = os.statvfs(directory)
         except OSError as e:
@@ -146,7 +159,8 @@ class ShmPool:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileExistsError:
             raise HpkvConfigError(
-                f"{path_where}={path!r} already exists and is in use by another process; "
+                f"{path_where}={path!r} already exists: a pool another process uses, or a file that is "
+                f"not a {size}-byte pool of yours (hpkv never deletes those); "
                 "use a directory instead, e.g. /dev/shm/hpkv, so each process gets its own file"
             ) from None
         except OSError as e:
