@@ -178,6 +178,11 @@ class ValkeyTier:
             self._remember(name)
         return True
 
+    def known(self, key: bytes, tenant: str = SHARED) -> bool:
+        """Whether this process wrote or read ``key`` back verified in the last PRESENT_S seconds
+        (no network: for callers that must not wait on the server)."""
+        return self._known(self.key_name(key, tenant))
+
     def _known(self, name: bytes) -> bool:
         with self._present_lock:
             t = self._present.get(name)
