@@ -120,3 +120,12 @@ def valkey_cluster() -> Iterator[Any]:
 
     with ValkeyServers(cluster=3) as s:
         yield s
+
+
+@pytest.fixture(autouse=True)
+def _no_auth_key_left() -> Iterator[None]:
+    """The record auth key is per process; a test that sets one must not leak it into the next."""
+    yield
+    from hpkv.core import record
+
+    record.set_auth_key(None)

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hpkv import HpkvConfig, HpkvConfigError
 from hpkv.core import record
 from hpkv.core.record import HEADER_BYTES, Verdict
 
@@ -57,3 +59,44 @@ def test_any_single_bit_flip_is_caught(payload: bytes, data: st.DataObject) -> N
 def test_round_trip_any_payload(payload: bytes) -> None:
     buf = make(payload)
     assert record.verify(memoryview(buf), len(buf), NS, KEY, len(payload)) is Verdict.OK
+
+
+def _sealed(payload: bytes, ns: bytes = b"N" * 16, key: bytes = b"K" * 16) -> bytearray:
+    buf = bytearray(record.HEADER_BYTES + len(payload))
+    buf[record.HEADER_BYTES :] = payload
+    record.seal(memoryview(buf), ns, key, len(payload))
+    return buf
+
+
+def test_with_an_auth_key_only_records_macd_with_that_key_are_accepted() -> None:
+    payload = bytes(range(256)) * 40
+    plain = _sealed(payload)  # a valid record without a MAC: what a forger without the key can make
+    record.set_auth_key(b"k" * 32)
+    good = _sealed(payload)
+    n = len(good)
+    assert good[4:6] != plain[4:6]  # another record version
+    assert record.verify(memoryview(good), n, b"N" * 16, b"K" * 16, len(payload)) is record.Verdict.OK
+    assert (
+        record.verify(memoryview(plain), n, b"N" * 16, b"K" * 16, len(payload)) is record.Verdict.BAD_HEADER
+    )
+    tampered = bytearray(good)
+    tampered[-1] ^= 1
+    assert (
+        record.verify(memoryview(tampered), n, b"N" * 16, b"K" * 16, len(payload))
+        is record.Verdict.BAD_CHECKSUM
+    )
+    with pytest.raises(HpkvConfigError, match="HPKV_AUTH_KEY differs"):
+        record.set_auth_key(b"x" * 32)
+    record.set_auth_key(None)
+    record.set_auth_key(b"x" * 32)  # another key: the first one's records are forgeries now
+    assert (
+        record.verify(memoryview(good), n, b"N" * 16, b"K" * 16, len(payload)) is record.Verdict.BAD_CHECKSUM
+    )
+    record.set_auth_key(None)
+    assert record.verify(memoryview(good), n, b"N" * 16, b"K" * 16, len(payload)) is record.Verdict.BAD_HEADER
+
+
+def test_a_short_auth_key_is_refused_without_echoing_it() -> None:
+    with pytest.raises(HpkvConfigError, match="HPKV_AUTH_KEY is shorter than 16 bytes") as e:
+        HpkvConfig.load(env={"HPKV_AUTH_KEY": "hunter2"})
+    assert "hunter2" not in str(e.value)

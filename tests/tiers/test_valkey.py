@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 
 from hpkv import HpkvConfigError, KVLayout
 from hpkv.bench.valkey import ValkeyServers, free_port, make_tls_files
@@ -469,3 +470,50 @@ def test_put_never_waits_on_a_slow_valkey(make_store: StoreFactory, valkey_serve
         assert valkey_server.keyspace_hits() == hits and s.stats()["valkey"]["writes"] == 16
     finally:
         proxy.close()
+
+
+def test_a_forged_record_on_valkey_is_served_only_without_an_auth_key(
+    make_store: StoreFactory, valkey_server: ValkeyServers
+) -> None:
+    """Whoever can write the shared server can write a record with a valid xxh3 checksum under a
+    chunk's key. Without HPKV_AUTH_KEY that forgery is served (the checksum is for accidents);
+    with it, every record carries a keyed MAC and the forgery is a miss."""
+    toks = random_tokens(2 * CHUNK, seed=41)
+    kv = random_kv(SMALL, len(toks), seed=41)
+    forged_kv = random_kv(SMALL, len(toks), seed=42)
+
+    def forge(store: Any) -> None:
+        """Overwrite each chunk's value with a plain (checksummed, un-MAC'd) record of other bytes."""
+        from hpkv.core import record as rec_mod
+
+        key_auth = rec_mod._auth_key
+        rec_mod._auth_key = None  # the forger has no key
+        try:
+            for i, key in enumerate(store.keys(toks)):
+                payload = (
+                    forged_kv[:, :, i * CHUNK : (i + 1) * CHUNK].contiguous().view(torch.uint8).flatten()
+                )
+                buf = bytearray(record.record_bytes(store.payload_bytes))
+                buf[record.HEADER_BYTES :] = payload.numpy().tobytes()
+                record.seal(memoryview(buf), store.namespace.digest, key, store.payload_bytes)
+                valkey_server.admin().command("SET", store.valkey.key_name(key), bytes(buf))
+        finally:
+            rec_mod._auth_key = key_auth
+
+    plain = make_store(model_id="forge", **remote(valkey_server))
+    plain.put(toks, kv)
+    plain.flush()
+    forge(plain)
+    assert bits_equal(plain.get(toks), forged_kv)  # served: why a shared tier needs the key
+    plain.close()
+    record.set_auth_key(None)
+
+    secret = "s3cret-shared-by-our-engines-only"
+    a = make_store(model_id="forge-mac", **remote(valkey_server, auth_key=secret))
+    a.put(toks, kv)
+    a.flush()
+    assert bits_equal(a.get(toks), kv)
+    forge(a)
+    assert a.lookup(toks) == 2 * CHUNK  # the keys exist on the server ...
+    assert a.get(toks).shape[2] == 0  # ... but nothing forged is handed out
+    assert a.stats()["valkey"]["corrupt"] >= 1

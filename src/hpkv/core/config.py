@@ -63,6 +63,7 @@ _SPECS: dict[str, _Spec] = {
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
     "shared_group": _Spec("HPKV_SHARED_GROUP", "true", "bool"),
+    "auth_key": _Spec("HPKV_AUTH_KEY", "<32 random characters, e.g. from: openssl rand -hex 16>", "optstr"),
     "remote_url": _Spec("HPKV_REMOTE_URL", "valkey://127.0.0.1:6379", "url"),
     "valkey_num_workers": _Spec("HPKV_VALKEY_NUM_WORKERS", "8", "int", minimum=1, maximum=256),
     "valkey_mode": _Spec("HPKV_VALKEY_MODE", "cluster", "choice"),
@@ -135,6 +136,9 @@ class HpkvConfig:
     layerwise_load: bool = False
     # Accept pool and storage directories that their group may write (a group of trusted engines).
     shared_group: bool = False
+    # A secret shared by every engine of one cache: records carry a keyed MAC checked on every read
+    # from storage or Valkey, so a record forged without the key is a miss. None: plain checksums.
+    auth_key: str | None = field(default=None, repr=False)
     # The remote (Valkey/Redis) tier: valkey://host:port[,host:port...] (valkeys:// = TLS); None disables it.
     remote_url: str | None = field(default=None, repr=False)
     # Threads talking to Valkey, each with its own client.
@@ -176,6 +180,15 @@ class HpkvConfig:
         object.__setattr__(self, "origins", origins)
         if self.remote_url is not None:
             parse_remote_url(self.remote_url, self.where("remote_url"))
+        if self.auth_key is not None and len(self.auth_key.encode("utf-8")) < 16:
+            raise HpkvConfigError(
+                f"{self.where('auth_key')} is shorter than 16 bytes (not echoed); "
+                "use e.g. 32 random characters: openssl rand -hex 16"
+            )
+
+    @property
+    def auth_key_bytes(self) -> bytes | None:
+        return None if self.auth_key is None else self.auth_key.encode("utf-8")
 
     # -- construction -----------------------------------------------------
 

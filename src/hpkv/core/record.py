@@ -11,6 +11,14 @@ Header (little-endian)::
     checksum   Q    xxh3_64 of the payload
     (zero padding to 64 bytes)
 
+Version 2 (when the process has an auth key, ``HPKV_AUTH_KEY``): the 16 bytes
+from offset 48 hold a keyed BLAKE2b-128 over the first 48 header bytes and the
+payload, instead of checksum + padding. xxh3 catches accidents; only the MAC
+catches a record forged by someone who can write a shared tier (a Valkey
+cluster, a shared directory) but does not know the key. A reader accepts only
+the version of its own configuration, so records with and without a MAC never
+mix.
+
 A record is accepted only if every field matches what the reader expects;
 anything else is a miss. The payload starts 64 bytes in, so a record placed at
 a page-aligned address keeps its payload aligned for any dtype.
@@ -18,16 +26,49 @@ a page-aligned address keeps its payload aligned for any dtype.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
+import threading
 from enum import Enum
 
 import xxhash
 
+from hpkv.core.errors import HpkvConfigError
+
 MAGIC = b"HPKV"
 RECORD_VERSION = 1
+RECORD_VERSION_MAC = 2
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sHH16s16sQQ")
+_MAC_AT = 48  # MAC covers header[:48] (magic .. length) and the payload
 assert _HEADER.size <= HEADER_BYTES
+
+# One auth key per process: every tier of a process seals and checks records the same way.
+_auth_key: bytes | None = None
+_auth_lock = threading.Lock()
+
+
+def set_auth_key(key: bytes | None) -> None:
+    """Seal and accept only MAC'd records from now on (None: plain records). A process holds one
+    key: setting a different one while one is set raises HpkvConfigError."""
+    global _auth_key
+    with _auth_lock:
+        if key is not None and _auth_key is not None and key != _auth_key:
+            raise HpkvConfigError(
+                "HPKV_AUTH_KEY differs between two hpkv stores of one process; use one key per process"
+            )
+        _auth_key = key
+
+
+def auth_key_set() -> bool:
+    return _auth_key is not None
+
+
+def _mac(buf: memoryview, payload_len: int, key: bytes) -> bytes:
+    h = hashlib.blake2b(buf[:_MAC_AT], digest_size=16, key=key, person=b"hpkv-record-mac")
+    h.update(buf[HEADER_BYTES : HEADER_BYTES + payload_len])
+    return h.digest()
 
 
 class Verdict(Enum):
@@ -55,9 +96,15 @@ def write_header(buf: memoryview, namespace: bytes, key: bytes, payload_len: int
 
 
 def seal(buf: memoryview, namespace: bytes, key: bytes, payload_len: int) -> None:
-    """Checksum the payload already at ``buf[64:64+payload_len]`` and write the header."""
-    digest = checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_len])
-    write_header(buf, namespace, key, payload_len, digest)
+    """Checksum (or, with an auth key, MAC) the payload already at ``buf[64:64+payload_len]``
+    and write the header."""
+    auth = _auth_key
+    if auth is None:
+        digest = checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_len])
+        write_header(buf, namespace, key, payload_len, digest)
+        return
+    _HEADER.pack_into(buf, 0, MAGIC, RECORD_VERSION_MAC, HEADER_BYTES, namespace, key, payload_len, 0)
+    buf[_MAC_AT:HEADER_BYTES] = _mac(buf, payload_len, auth)
 
 
 def verify(
@@ -71,7 +118,9 @@ def verify(
     if n < HEADER_BYTES:
         return Verdict.SHORT
     magic, version, hlen, ns, k, length, digest = _HEADER.unpack_from(buf, 0)
-    if magic != MAGIC or version != RECORD_VERSION or hlen != HEADER_BYTES:
+    auth = _auth_key
+    expected = RECORD_VERSION if auth is None else RECORD_VERSION_MAC
+    if magic != MAGIC or version != expected or hlen != HEADER_BYTES:
         return Verdict.BAD_HEADER
     if ns != namespace:
         return Verdict.WRONG_NAMESPACE
@@ -83,6 +132,12 @@ def verify(
         return Verdict.SHORT
     if n > HEADER_BYTES + payload_len:
         return Verdict.WRONG_LENGTH
-    if check_payload and checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_len]) != digest:
+    if not check_payload:
+        return Verdict.OK
+    if auth is not None:
+        if not hmac.compare_digest(bytes(buf[_MAC_AT:HEADER_BYTES]), _mac(buf, payload_len, auth)):
+            return Verdict.BAD_CHECKSUM
+        return Verdict.OK
+    if checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_len]) != digest:
         return Verdict.BAD_CHECKSUM
     return Verdict.OK

@@ -53,6 +53,7 @@ VALKEY = "valkey"
 
 class Catalog:
     def __init__(self, config: HpkvConfig, namespace: Namespace) -> None:
+        record.set_auth_key(config.auth_key_bytes)
         self.config = config
         self.chunk_size = config.chunk_size
         self.world_size = namespace.world_size

@@ -54,6 +54,7 @@ class KVStore:
     ) -> None:
         if not (0 <= rank < world_size):
             raise HpkvConfigError(f"rank={rank} must be in [0, world_size={world_size}); use e.g. rank=0")
+        record.set_auth_key(config.auth_key_bytes)
         self.config = config
         self.layout = layout
         self.chunk_size = config.chunk_size

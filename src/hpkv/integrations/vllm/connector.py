@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
@@ -67,6 +68,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = HpkvConfig.load(extra, source="kv_connector_extra_config")
+        record.set_auth_key(self.config.auth_key_bytes)  # workers seal what they store
         self.namespace, self.block_size, self.layer_names = _describe_engine(
             vllm_config, kv_cache_config, self.config
         )
