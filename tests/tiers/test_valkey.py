@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import time
@@ -517,3 +518,22 @@ def test_a_forged_record_on_valkey_is_served_only_without_an_auth_key(
     assert a.lookup(toks) == 2 * CHUNK  # the keys exist on the server ...
     assert a.get(toks).shape[2] == 0  # ... but nothing forged is handed out
     assert a.stats()["valkey"]["corrupt"] >= 1
+
+
+def test_close_unmaps_the_pool_after_a_remote_read(
+    make_store: StoreFactory, valkey_server: ValkeyServers
+) -> None:
+    """A valkey worker's last job held a slice of the pool until the worker ended; close() stopped
+    the workers after unmapping, so 256 MiB stayed mapped until garbage collection."""
+    toks = random_tokens(4 * CHUNK, seed=51)
+    kv = random_kv(SMALL, len(toks), seed=51)
+    a = make_store(model_id="unmap", **remote(valkey_server))
+    a.put(toks, kv)
+    a.flush()
+    b = make_store(model_id="unmap", **remote(valkey_server, mem_pool_size="256M"))
+    assert bits_equal(b.get(toks), kv) and b.stats()["valkey"]["hits"] == 4
+    assert b.memory is not None
+    name = os.path.basename(b.memory.pool.path)
+    b.close()
+    with open("/proc/self/maps") as f:
+        assert name not in f.read()

@@ -388,10 +388,12 @@ class KVStore:
             self._cascade.flush()
             self._cascade.close()
         self._io.shutdown(wait=True)
-        for t in self._tiers():
-            t.close()
+        # The valkey workers first: a worker's last job still references its buffer (a slice of the
+        # pool) until the worker ends, and a mapping with a live export cannot be closed.
         if self._remote is not None:
             self._remote.close()
+        for t in reversed(self._tiers()):  # valkey, storage, then the memory pool
+            t.close()
 
     def __enter__(self) -> KVStore:
         return self
