@@ -5,6 +5,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import pytest
 import torch
@@ -247,3 +248,23 @@ def test_a_signal_removes_the_pool_file(shm_dir: str, sig: str) -> None:
     rc = p.wait(timeout=30)
     assert rc != 0  # the signal still ends the process as it would have
     assert not os.path.exists(path)
+
+
+def test_a_flipped_byte_in_a_pool_slots_header_is_a_miss(make_store: Any) -> None:
+    """The pool is trusted for its payload (a 0600 file of the serving user; README says why) but
+    every memory hit checks the slot's header: a damaged header is a counted miss, not data."""
+    from tests.conftest import CHUNK, SMALL, random_kv, random_tokens
+
+    s = make_store(storage_path=None)
+    toks = random_tokens(2 * CHUNK, seed=61)
+    kv = random_kv(SMALL, len(toks), seed=61)
+    s.put(toks, kv)
+    assert s.memory is not None
+    view = s.memory.pool.view
+    for off in range(0, len(view), s.memory.slot_bytes):
+        if bytes(view[off : off + 4]) == record.MAGIC:
+            view[off + 30] ^= 0xFF  # inside the key field
+            break
+    out = s.get(toks)
+    assert out.shape[2] < 2 * CHUNK
+    assert s.stats()["memory"]["corrupt"] >= 1

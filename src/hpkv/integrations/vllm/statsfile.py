@@ -13,6 +13,7 @@ import contextlib
 import glob
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -58,9 +59,17 @@ class StatsFile:
             self._last_write = now
             doc = {"pid": os.getpid(), "model": self.model, "time": time.time(), **data}
             tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self.path)
+            # Never through a link planted at the temp name (O_NOFOLLOW), then renamed into place.
+            # A failure (full disk, a name taken) skips this write: counters are not worth a step.
+            try:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                with os.fdopen(os.open(tmp, flags, 0o600), "w") as f:
+                    json.dump(doc, f)
+                os.replace(tmp, self.path)
+            except OSError:
+                self._last_body = ""  # try again next time
 
     def remove(self) -> None:
         with contextlib.suppress(OSError):
@@ -77,8 +86,11 @@ def read_all(share_mem_file_path: str) -> list[dict[str, Any]]:
     out = []
     for p in sorted(glob.glob(os.path.join(stats_dir(share_mem_file_path), f"hpkv-*{SUFFIX}"))):
         try:
-            with open(p) as f:
-                doc = json.load(f)
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            with os.fdopen(fd) as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block `hpkv stats`
+                    continue
+                doc = json.loads(f.read(1 << 20))
         except (OSError, ValueError):
             continue
         pid = doc.get("pid")
