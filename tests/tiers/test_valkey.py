@@ -261,15 +261,22 @@ def test_existence_checks_overtake_queued_writes(valkey_server: ValkeyServers) -
         conn.close()
 
 
-def test_tier_reads_into_the_callers_buffer(valkey_server: ValkeyServers) -> None:
+def tier_and_record(
+    server: ValkeyServers, ns: bytes, fill: int
+) -> tuple[ValkeyConnection, ValkeyTier, bytearray]:
+    """A connection, a tier of namespace ``ns`` and a sealed record of chunk b"K"*16 (small layout)."""
     layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=SMALL.dtype)
     payload = layout.chunk_bytes(CHUNK)
-    conn = ValkeyConnection(ValkeySettings(nodes=(("127.0.0.1", valkey_server.nodes[0].port),)))
+    conn = ValkeyConnection(ValkeySettings(nodes=(("127.0.0.1", server.nodes[0].port),)))
+    rec = bytearray(record.record_bytes(payload))
+    rec[record.HEADER_BYTES :] = bytes(i % fill for i in range(payload))
+    record.seal(memoryview(rec), ns, b"K" * 16, payload)
+    return conn, ValkeyTier(conn, payload, ns), rec
+
+
+def test_tier_reads_into_the_callers_buffer(valkey_server: ValkeyServers) -> None:
+    conn, tier, rec = tier_and_record(valkey_server, b"N" * 16, 251)
     try:
-        tier = ValkeyTier(conn, payload, b"N" * 16)
-        rec = bytearray(record.record_bytes(payload))
-        rec[record.HEADER_BYTES :] = bytes(i % 251 for i in range(payload))
-        record.seal(memoryview(rec), b"N" * 16, b"K" * 16, payload)
         assert tier.write(b"K" * 16, memoryview(rec))
         buf = bytearray(len(rec) + 100)
         assert tier.read_into(b"K" * 16, memoryview(buf))
@@ -376,14 +383,8 @@ def test_a_write_replaces_a_bad_value_and_reads_nothing(valkey_server: ValkeySer
     """A corrupt value under a chunk's key is a miss, and the next write of that chunk replaces it
     (a write that checked EXISTS first kept it forever); writes never count as keyspace hits, so
     the L2 proof (one hit per chunk read) is not inflated by stores."""
-    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, dtype=SMALL.dtype)
-    payload = layout.chunk_bytes(CHUNK)
-    conn = ValkeyConnection(ValkeySettings(nodes=(("127.0.0.1", valkey_server.nodes[0].port),)))
+    conn, tier, rec = tier_and_record(valkey_server, b"W" * 16, 249)
     try:
-        tier = ValkeyTier(conn, payload, b"W" * 16)
-        rec = bytearray(record.record_bytes(payload))
-        rec[record.HEADER_BYTES :] = bytes(i % 249 for i in range(payload))
-        record.seal(memoryview(rec), b"W" * 16, b"K" * 16, payload)
         bad = bytearray(rec)
         bad[-1] ^= 0xFF
         valkey_server.admin().command("SET", tier.key_name(b"K" * 16), bytes(bad))
