@@ -23,7 +23,6 @@ import logging
 import math
 import os
 import re
-import stat
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from typing import Any
 import yaml
 
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.paths import NotARegularFile, read_regular_file
 from hpkv.core.units import parse_bool, parse_size
 
 log = logging.getLogger("hpkv")
@@ -283,19 +283,13 @@ def _read_yaml(path: str) -> dict[str, Any]:
         )
 
     try:
-        fd = os.open(os.path.expanduser(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        raw = read_regular_file(path, YAML_MAX_BYTES)
+    except NotARegularFile:
+        raise bad("is not a regular file") from None
     except OSError as e:
         raise bad(f"cannot be read ({e.strerror})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise bad("is not a regular file")
-        raw = os.read(fd, YAML_MAX_BYTES + 1)
-    except OSError as e:
-        raise bad(f"cannot be read ({e.strerror})") from None
-    finally:
-        os.close(fd)
-    if len(raw) > YAML_MAX_BYTES:
-        raise bad(f"is larger than {YAML_MAX_BYTES} bytes")
+    except ValueError:
+        raise bad(f"is larger than {YAML_MAX_BYTES} bytes") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

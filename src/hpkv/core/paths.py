@@ -47,3 +47,27 @@ def check_private_dir(
             "if every member of that group may write chunks, set HPKV_SHARED_GROUP=true, "
             f"else chmod g-w it or use e.g. {example}"
         )
+
+
+class NotARegularFile(OSError):
+    pass
+
+
+def read_regular_file(path: str, limit: int) -> bytes:
+    """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes. Never blocks on a
+    FIFO or device put there (NotARegularFile); a larger file raises ValueError; OSError as usual."""
+    fd = os.open(os.path.expanduser(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile(0, "not a regular file")
+        data = b""
+        while len(data) <= limit:
+            part = os.read(fd, limit + 1 - len(data))
+            if not part:
+                break
+            data += part
+    finally:
+        os.close(fd)
+    if len(data) > limit:
+        raise ValueError(f"larger than {limit} bytes")
+    return data

@@ -12,6 +12,7 @@ from typing import Any
 
 from hpkv.core.config import HpkvConfig, parse_remote_url
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.paths import read_regular_file
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +82,11 @@ class ValkeySettings:
         pem = None
         if config.tls_ca_cert is not None:
             try:
-                with open(config.tls_ca_cert, "rb") as f:
-                    pem = f.read()
-            except OSError as e:
+                pem = read_regular_file(config.tls_ca_cert, 1 << 20)  # a FIFO there must not hang the start
+            except (OSError, ValueError) as e:
+                why = e.strerror if isinstance(e, OSError) else str(e)
                 raise HpkvConfigError(
-                    f"{config.where('tls_ca_cert')}={config.tls_ca_cert!r} cannot be read ({e.strerror}); "
+                    f"{config.where('tls_ca_cert')}={config.tls_ca_cert!r} cannot be read ({why}); "
                     "use the PEM file of your CA, e.g. /etc/ssl/private-ca.pem"
                 ) from None
             if b"-----BEGIN CERTIFICATE-----" not in pem:
