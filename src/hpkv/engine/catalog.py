@@ -151,6 +151,12 @@ class Catalog:
     def record_key(self, rank: int, lk: bytes) -> bytes:
         return record_key(self.rank_digests[rank], lk)
 
+    def unlink_pool_files(self) -> None:
+        """Remove the pool files' names once every process that needs them has mapped them; the
+        memory stays until the last mapping goes."""
+        for p in self.pools:
+            p.unlink()
+
     @property
     def pool_paths(self) -> list[str]:
         return [p.path for p in self.pools]

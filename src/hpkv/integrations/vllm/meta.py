@@ -51,9 +51,11 @@ class HpkvMeta(KVConnectorMetadata):
 
 @dataclass
 class HpkvWorkerMeta(KVConnectorWorkerMetadata):
-    """Per op id: (ranks that completed it, ranks that failed it)."""
+    """Per op id: (ranks that completed it, ranks that failed it); ``attached``: ranks that mapped
+    their pool file since the last report (once every rank has, the scheduler unlinks the files)."""
 
     results: dict[int, tuple[int, int]] = field(default_factory=dict)
+    attached: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, HpkvWorkerMeta):
@@ -62,4 +64,4 @@ class HpkvWorkerMeta(KVConnectorWorkerMetadata):
         for op, (ok, bad) in other.results.items():
             a, b = merged.get(op, (0, 0))
             merged[op] = (a + ok, b + bad)
-        return HpkvWorkerMeta(merged)
+        return HpkvWorkerMeta(merged, self.attached + other.attached)

@@ -98,6 +98,7 @@ class HpkvScheduler:
         self._next_op = 1
         self._pending_store: set[bytes] = set()
         self._idle = False  # the last step scheduled nothing
+        self._attached = 0  # worker ranks that have mapped their pool file
         self._counters = {
             "lookups": 0,
             "lookup_hit_tokens": 0,
@@ -287,6 +288,12 @@ class HpkvScheduler:
         wm = output.kv_connector_worker_meta
         if not isinstance(wm, HpkvWorkerMeta):
             return
+        if wm.attached:
+            self._attached += wm.attached
+            if self._attached >= self.world_size:
+                # Every rank has mapped its pool: the names are no longer needed, and without
+                # them no way of ending (SIGKILL included) can leave a pool file holding RAM.
+                self.catalog.unlink_pool_files()
         for op_id, (ok, bad) in wm.results.items():
             op = self._ops.get(op_id)
             if op is None:

@@ -54,6 +54,7 @@ class HpkvWorker:
         self._results: dict[int, tuple[int, int]] = {}
         self._load_errors: set[int] = set()
         self._unlogged: list[tuple[LoadRequest, int]] = []  # CUDA loads whose copies are in flight
+        self._announce = False  # mapped the pool since the last report
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
         self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
@@ -68,6 +69,7 @@ class HpkvWorker:
                 self.pool.close()
             self.pool = ShmPool.attach(path, meta.pool_size)
             self._pool_path = path
+            self._announce = True
             if self.mover is not None:
                 self.mover.attach_pool(self.pool.tensor)
         return self.pool
@@ -81,6 +83,8 @@ class HpkvWorker:
     # -- loads -------------------------------------------------------------------------
 
     def start_load(self, meta: HpkvMeta) -> None:
+        if meta.pool_paths and self._pool_path != meta.pool_paths[self.rank]:
+            self._attach(meta)  # at the first step: then the scheduler may unlink the pool files
         if not meta.loads:
             return
         pool = self._attach(meta)
@@ -207,10 +211,11 @@ class HpkvWorker:
                 for req, loaded in logs:
                     self._log_load(req, loaded, took if len(logs) == 1 else took / len(logs))
         with self._lock:
-            if not self._results:
+            if not self._results and not self._announce:
                 return None
-            out = HpkvWorkerMeta(self._results)
+            out = HpkvWorkerMeta(self._results, int(self._announce))
             self._results = {}
+            self._announce = False
         return out
 
     def take_load_errors(self) -> set[int]:

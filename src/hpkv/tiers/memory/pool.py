@@ -238,6 +238,16 @@ class ShmPool:
     _owner = True
     _prefault: threading.Thread | None = None
 
+    def unlink(self) -> None:
+        """Remove the file's name now (owner only): processes that mapped it keep the memory, new
+        ones can no longer attach. Nothing is left behind however this process ends."""
+        if self._owner and not self._unlinked:
+            self._unlinked = True
+            _unlink_quietly(self.path)
+            log.info("hpkv: memory pool %s mapped by every rank; its name is removed", self.path)
+
+    _unlinked = False
+
     def close(self) -> None:
         """Unmap (and, if this process created it, remove) the file.
         Views still held elsewhere keep the memory alive until dropped."""
@@ -247,7 +257,7 @@ class ShmPool:
         if self._prefault is not None:
             self._stop_prefault.set()
             self._prefault.join()
-        if self._owner:
+        if self._owner and not self._unlinked:
             _unlink_quietly(self.path)
         self.view.release()
         del self.tensor
