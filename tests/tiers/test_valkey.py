@@ -41,7 +41,8 @@ def test_round_trip_valkey_only_one_get_per_chunk(
     make_store: StoreFactory, valkey_server: ValkeyServers, valkey_cluster: ValkeyServers, which: str
 ) -> None:
     srv = valkey_server if which == "standalone" else valkey_cluster
-    toks = random_tokens(12 * CHUNK + 5, seed=hash(which) % 1000)
+    # A fixed seed: hash(which) changed with PYTHONHASHSEED, so which primaries got keys was luck.
+    toks = random_tokens(12 * CHUNK + 5, seed=11 if which == "standalone" else 12)
     kv = random_kv(SMALL, len(toks))
     a = make_store(model_id=f"only-{which}", **remote(srv))
     assert a.tier_names() == ["valkey"]
