@@ -108,20 +108,28 @@ def test_a_directory_in_place_of_a_chunk(storage_dir: str) -> None:
     assert StorageTier(storage_dir, 1 << 30, PAYLOAD, NS).scanned == 0
 
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another uid")
-
-
-@needs_root
-def test_a_directory_another_user_owns_is_refused(tmp_path: object) -> None:
-    """Another user who owns or can write the storage directory can plant records with valid
-    checksums; hpkv refuses to start on it rather than serve them."""
+def theirs(tmp_path: object) -> tuple[str, int]:
+    """A directory another user owns: as root, one of ours given to uid 12345 (open to all); as
+    anyone else, / (root's)."""
+    if os.geteuid() != 0:
+        return "/", 0
     d = os.path.join(str(tmp_path), "theirs")
-    os.mkdir(d, 0o777)
+    os.mkdir(d)
     os.chmod(d, 0o777)
     os.chown(d, 12345, 12345)
-    with pytest.raises(HpkvConfigError, match=r"HPKV_KV_STORAGE_PATH=.*owned by uid 12345.*e\.g\. ~/storage"):
+    return d, 12345
+
+
+def test_a_directory_another_user_owns_is_refused(tmp_path: object) -> None:
+    """Another user who owns or can write the storage directory can plant records with valid
+    checksums; hpkv refuses to start on it rather than serve them (and creates nothing in it)."""
+    d, uid = theirs(tmp_path)
+    with pytest.raises(
+        HpkvConfigError, match=rf"HPKV_KV_STORAGE_PATH=.*owned by uid {uid}.*e\.g\. ~/storage"
+    ):
         tier(d)
-    with pytest.raises(HpkvConfigError, match=r"HPKV_SHARE_MEM_FILE_PATH=.*owned by uid 12345"):
+    assert not os.path.exists(os.path.join(d, "v1"))
+    with pytest.raises(HpkvConfigError, match=rf"HPKV_SHARE_MEM_FILE_PATH=.*owned by uid {uid}"):
         ShmPool(os.path.join(d, "pool.shm"), 1 << 20)
 
 

@@ -61,6 +61,15 @@ class StorageTier:
         self._index = DiskIndex(capacity)
         self._last_log = 0.0
         try:
+            os.makedirs(root, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise HpkvConfigError(
+                f"{where}={root!r} is not a writable directory ({e.strerror}); "
+                "use a directory you can write, e.g. ~/storage"
+            ) from None
+        # Checked before anything is created in it: a directory another user owns or can write is refused.
+        check_private_dir(root, where, "~/storage", shared_group=shared_group)
+        try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             for i in range(256):
                 os.makedirs(os.path.join(self.root, f"{i:02x}"), mode=0o700, exist_ok=True)
@@ -72,8 +81,6 @@ class StorageTier:
                 f"{where}={root!r} is not a writable directory ({e.strerror}); "
                 "use a directory you can write, e.g. ~/storage"
             ) from None
-        # Checked after creating it (mode 0700): a directory another user owns or can write is refused.
-        check_private_dir(root, where, "~/storage", shared_group=shared_group)
         check_private_dir(self.root, where, "~/storage", shared_group=shared_group)
         t0 = time.perf_counter()
         self.scanned = self._scan()
