@@ -39,6 +39,7 @@ from hpkv.core.layout import KVLayout
 
 KEY_BYTES = 16
 NAMESPACE_VERSION = "hpkv-ns-v2"
+SHARED_TENANT = "shared"  # the tenant of requests without any salt (see tenant_tag)
 
 Tokens = Sequence[int] | torch.Tensor | np.ndarray
 
@@ -110,7 +111,7 @@ def tenant_tag(salt: str = "", cache_salt: str | None = None) -> str:
     itself never appears in a key name). Keys are ``hpkv:<tag>:...``: an ACL user limited to
     ``~hpkv:<tag>:*`` sees that tenant's chunks only (``hpkv tenant-prefix`` prints it)."""
     if not salt and not cache_salt:
-        return "shared"
+        return SHARED_TENANT
     return "t" + digest(text_bytes(salt), text_bytes(cache_salt or ""), person=b"hpkv-tenant")[:8].hex()
 
 

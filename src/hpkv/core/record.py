@@ -61,10 +61,6 @@ def set_auth_key(key: bytes | None) -> None:
         _auth_key = key
 
 
-def auth_key_set() -> bool:
-    return _auth_key is not None
-
-
 def _mac(buf: memoryview, payload_len: int, key: bytes) -> bytes:
     h = hashlib.blake2b(buf[:_MAC_AT], digest_size=16, key=key, person=b"hpkv-record-mac")
     h.update(buf[HEADER_BYTES : HEADER_BYTES + payload_len])

@@ -13,15 +13,22 @@ import queue
 import threading
 from typing import Protocol
 
+from hpkv.core.keys import SHARED_TENANT
 from hpkv.tiers.memory import MemoryTier, SlotRef
 
 log = logging.getLogger(__name__)
 
 
 class WriteTarget(Protocol):
+    """A tier below memory. ``tenant`` names whose chunk it is (a Valkey key prefix; storage keeps
+    every tenant in one directory, its keys already apart); ``held`` answers without waiting on a
+    network, for callers that must not block."""
+
     name: str
 
-    def write(self, key: bytes, rec: memoryview) -> bool: ...
+    def write(self, key: bytes, rec: memoryview, tenant: str = SHARED_TENANT) -> bool: ...
+
+    def held(self, key: bytes, tenant: str = SHARED_TENANT) -> bool: ...
 
     def count(self, name: str, n: int = 1) -> None: ...
 

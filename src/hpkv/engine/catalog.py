@@ -34,6 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
+from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.core.stats import TierStats
 from hpkv.engine.cascade import WriteTarget
@@ -41,7 +42,6 @@ from hpkv.tiers.disk import StorageTier
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
 from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
-from hpkv.tiers.valkey.tier import SHARED
 from hpkv.tiers.valkey.workers import Priority
 
 log = logging.getLogger(__name__)
@@ -242,10 +242,8 @@ class Catalog:
                     self.abort(slot)
                     return False
             with self._lock:
-                if self._slot_epoch[slot] != self._epoch:  # reset while it was read: stays invisible
-                    self._index.abort(slot)
+                if not self._commit_locked(slot, lk, keep_pin=False):
                     return False
-                self._index.commit(slot, lk)
             self._mem_stats.add("promotions")
             return True
         except Exception:
@@ -325,10 +323,7 @@ class Catalog:
         the slot was reserved."""
         cascade = not self._cascade_off and (bool(self.valkey) or not self.in_storage(lk))
         with self._lock:
-            if self._slot_epoch[slot] != self._epoch:
-                self._index.abort(slot)
-                return False
-            if not self._index.commit(slot, lk, keep_pin=cascade):
+            if not self._commit_locked(slot, lk, keep_pin=cascade):
                 return False
         self._mem_stats.add("writes")
         self._mem_stats.add("bytes_written", self.payload_bytes)
@@ -340,6 +335,15 @@ class Catalog:
                 for t in self._slow_tiers():
                     t.count("writes_skipped")
         return True
+
+    def _commit_locked(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool:
+        """Under the lock: make ``slot`` visible as ``lk``, unless the memory tier was reset since
+        the slot was reserved (then the slot is freed: nothing in flight at a reset becomes visible
+        after it) or another writer committed ``lk`` first."""
+        if self._slot_epoch[slot] != self._epoch:
+            self._index.abort(slot)
+            return False
+        return self._index.commit(slot, lk, keep_pin=keep_pin)
 
     def abort(self, slot: int) -> None:
         with self._lock:
@@ -357,10 +361,7 @@ class Catalog:
                     rk, rec = self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes]
                     for tier in self._slow_of_rank(r):
                         try:
-                            if isinstance(tier, ValkeyTier):
-                                tier.write(rk, rec, tenant)
-                            else:
-                                tier.write(rk, rec)
+                            tier.write(rk, rec, tenant)
                         except Exception:
                             log.exception("hpkv: cascade write to %s failed", tier.name)
                             tier.count("errors")

@@ -306,32 +306,26 @@ class KVStore:
 
         return self.store_chunks(self.keys(arr), produce) * C
 
-    def _held(self, tier: StorageTier | ValkeyTier, key: bytes) -> bool:
-        """Whether a slower tier holds ``key``, asked without a network round trip: the caller's
-        put() must never wait on a slow or dead remote server (valkey answers from what this
-        process wrote or read lately; the cascade's SET does the rest in the background)."""
-        if isinstance(tier, ValkeyTier):
-            return tier.known(key)
-        return tier.contains(key)
-
     def _store_one(self, i: int, key: bytes, produce: Produce) -> bool:
+        # Slower tiers are asked with held(): never a network round trip, so put() never waits on a
+        # slow or dead remote server (the cascade's SET does the rest in the background).
         slow = [t for t in (self.storage, self.valkey) if t is not None]
         cascade = self._cascade if slow else None
         if self.memory is not None:
             if self.memory.contains(key):
-                if cascade is not None and not all(self._held(t, key) for t in slow):
+                if cascade is not None and not all(t.held(key) for t in slow):
                     held = self.memory.acquire(key, count=False)
                     if held is not None:
                         cascade.submit(key, held)
                 return True
-            if cascade is not None and any(self._held(t, key) for t in slow):
+            if cascade is not None and any(t.held(key) for t in slow):
                 return True  # a slower tier has it; a later hit promotes it
             ref = self.memory.reserve(key)
             if ref is not None:
                 return self._fill_slot(i, ref, produce, cascade is not None)
         if cascade is None:
             return False
-        if any(self._held(t, key) for t in slow):
+        if any(t.held(key) for t in slow):
             return True
         buf = bytearray(self.record_bytes)
         payload = torch.frombuffer(buf, dtype=torch.uint8)[record.HEADER_BYTES :]

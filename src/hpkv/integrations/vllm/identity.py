@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -165,16 +166,10 @@ def _adapter_files(path: str) -> list[tuple[str, str, os.stat_result]]:
         if not entry.name.endswith(_ADAPTER_SUFFIXES) or entry.name.startswith("."):
             continue
         st = os.stat(entry.path)
-        if not _is_regular(st):
+        if not stat.S_ISREG(st.st_mode):
             continue
         out.append((entry.name, entry.path, st))
     return out
-
-
-def _is_regular(st: os.stat_result) -> bool:
-    import stat
-
-    return stat.S_ISREG(st.st_mode)
 
 
 def _mm_items(request: Any) -> list[tuple[str, int, int]] | None:

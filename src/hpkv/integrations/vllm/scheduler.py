@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
-from hpkv.core.keys import Namespace
+from hpkv.core.keys import SHARED_TENANT, Namespace
 from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
@@ -46,7 +46,7 @@ PENDING_OPS_MAX_S = 60.0
 class _Req:
     lks: list[bytes]  # empty when hpkv does not touch the request (see identity.py)
     prompt_len: int
-    tenant: str = "shared"
+    tenant: str = SHARED_TENANT
     block_ids: list[int] = field(default_factory=list)
     next_store: int = 0
     lease: list[int] = field(default_factory=list)  # pinned slots of chunks [lease_first, ...)
@@ -70,7 +70,7 @@ class _Op:
     remaining: int = 0
     failed: bool = False
     tokens: int = 0
-    tenant: str = "shared"
+    tenant: str = SHARED_TENANT
     since: float = field(default_factory=time.monotonic)
 
 

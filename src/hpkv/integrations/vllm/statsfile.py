@@ -13,12 +13,12 @@ import contextlib
 import glob
 import json
 import os
-import stat
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from hpkv.core.paths import read_regular_file
 from hpkv.core.procs import pid_alive
 
 SUFFIX = ".stats.json"
@@ -86,11 +86,7 @@ def read_all(share_mem_file_path: str) -> list[dict[str, Any]]:
     out = []
     for p in sorted(glob.glob(os.path.join(stats_dir(share_mem_file_path), f"hpkv-*{SUFFIX}"))):
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-            with os.fdopen(fd) as f:
-                if not stat.S_ISREG(os.fstat(fd).st_mode):  # a FIFO would block `hpkv stats`
-                    continue
-                doc = json.loads(f.read(1 << 20))
+            doc = json.loads(read_regular_file(p, 1 << 20, follow=False))  # a FIFO must not block
         except (OSError, ValueError):
             continue
         pid = doc.get("pid")

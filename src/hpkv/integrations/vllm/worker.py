@@ -83,11 +83,10 @@ class HpkvWorker:
     # -- loads -------------------------------------------------------------------------
 
     def start_load(self, meta: HpkvMeta) -> None:
-        if meta.pool_paths and self._pool_path != meta.pool_paths[self.rank]:
-            self._attach(meta)  # at the first step: then the scheduler may unlink the pool files
+        # Mapped at the first step, loads or not: once every rank has, the scheduler unlinks the files.
+        pool = self._attach(meta)
         if not meta.loads:
             return
-        pool = self._attach(meta)
         assert self.mover is not None and pool is not None
         items: list[LoadItem] = []
         logs = []

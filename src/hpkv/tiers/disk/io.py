@@ -14,8 +14,9 @@ import errno
 import mmap
 import os
 import secrets
-import stat
 from typing import Any
+
+from hpkv.core.paths import open_regular
 
 PAGE = 4096  # O_DIRECT alignment of offsets (buffers come page-aligned from mmap)
 
@@ -33,14 +34,8 @@ SOFT_ERRNOS = {
 }
 
 
-# Opening a file hpkv reads or writes: never through a symlink planted at its name, never blocking
-# on a FIFO or device put there (O_NONBLOCK is a no-op for regular files).
-READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+# Creating a file hpkv writes: never through a symlink planted at its name.
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-class NotAChunkFile(OSError):
-    """A name that holds something other than a regular file (a FIFO, a device, a directory)."""
 
 
 def create_exclusive(directory: str, prefix: str) -> tuple[int, str]:
@@ -53,21 +48,6 @@ def create_exclusive(directory: str, prefix: str) -> tuple[int, str]:
         except FileExistsError:
             continue
     raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
-
-
-def open_regular(path: str) -> int:
-    """``path`` opened for reading if it is a regular file (not followed if a symlink, never
-    blocking on a FIFO); raises NotAChunkFile for anything else, OSError as usual."""
-    try:
-        fd = os.open(path, READ_FLAGS)
-    except OSError as e:
-        if e.errno == errno.ELOOP:  # a symlink at a chunk's name
-            raise NotAChunkFile(errno.ELOOP, "a symlink, not a chunk file", path) from None
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise NotAChunkFile(errno.EINVAL, "not a regular file", path)
-    return fd
 
 
 def write_atomic(path: str, data: memoryview) -> None:
@@ -119,7 +99,7 @@ class Reader:
         reported as ``expected + 1`` bytes so the caller sees a length mismatch
         without reading it all. Raises OSError (FileNotFoundError when absent).
         """
-        fd = open_regular(path)
+        fd = open_regular(path, follow=False)  # a FIFO, link or directory there: NotARegularFile
         try:
             st = os.fstat(fd)
             if st.st_size > expected:

@@ -23,10 +23,11 @@ import time
 
 from hpkv.core import record
 from hpkv.core.errors import HpkvConfigError
-from hpkv.core.paths import check_private_dir
+from hpkv.core.keys import SHARED_TENANT
+from hpkv.core.paths import NotARegularFile, check_private_dir
 from hpkv.core.stats import TierStats
 from hpkv.tiers.disk.index import DiskIndex
-from hpkv.tiers.disk.io import SOFT_ERRNOS, NotAChunkFile, Reader, create_exclusive, write_atomic
+from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class StorageTier:
             self._forget(key)
             self._stats.add("misses")
             return False
-        except NotAChunkFile:
+        except NotARegularFile:
             self._stats.add("corrupt")
             self._stats.add("misses")
             self._rate_limited_log(
@@ -200,7 +201,11 @@ class StorageTier:
 
     # -- writes -------------------------------------------------------------
 
-    def write(self, key: bytes, rec: memoryview) -> bool:
+    def held(self, key: bytes, tenant: str = SHARED_TENANT) -> bool:
+        """:meth:`contains` (a local lookup; the tier protocol's no-wait question)."""
+        return self.contains(key)
+
+    def write(self, key: bytes, rec: memoryview, tenant: str = SHARED_TENANT) -> bool:
         """Write a sealed record for ``key`` unless the tier already holds it. True if it is on disk now."""
         if self.contains(key):
             with self._lock:

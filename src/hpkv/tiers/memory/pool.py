@@ -70,13 +70,8 @@ def reclaim_stale(directory: str) -> list[str]:
         if pid == os.getpid() or pid_alive(pid):
             continue
         path = os.path.join(directory, name)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError:
-            continue
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-            os.close(fd)  # named like a pool but not ours: never deleted
+        fd = _open_own_file(path)
+        if fd is None:  # named like a pool but not ours: never deleted
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -94,17 +89,29 @@ def reclaim_stale(directory: str) -> list[str]:
     return removed
 
 
+def _open_own_file(path: str) -> int | None:
+    """``path`` opened read-write if it is a regular file of this user (never through a link, never
+    blocking on a FIFO), else None: the only kind of file hpkv may delete as a stale pool."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        return None
+    return fd
+
+
 def _reclaim_if_unlocked(path: str, size: int) -> None:
     """Remove ``path`` if it is a pool file left by a crash: a regular file of this user, of
     exactly ``size`` bytes, whose lock no process holds. Anything else at that name (a user's
     file, a link) is left alone; creating the pool then fails with a clear message."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+    fd = _open_own_file(path)
+    if fd is None:
         return
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+        if os.fstat(fd).st_size != size:
             return
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.unlink(path)

@@ -23,6 +23,7 @@ from collections import OrderedDict
 from typing import Any
 
 from hpkv.core import record
+from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.stats import TierStats
 from hpkv.tiers.valkey.client import ValkeySettings, glide
 from hpkv.tiers.valkey.workers import Priority, Unavailable, WorkerPool
@@ -31,7 +32,6 @@ log = logging.getLogger(__name__)
 
 NAME = "valkey"
 KEY_PREFIX = b"hpkv:"
-SHARED = "shared"  # the tenant segment of requests without a salt (hpkv.core.keys.tenant_tag)
 _LOG_EVERY_S = 30.0
 PRESENT_S = 300.0
 PRESENT_MAX = 65536
@@ -168,17 +168,15 @@ class ValkeyTier:
             client.set(name, value, expiry=expiry)
             return True
 
-        wrote = self._call(Priority.PUT, job, "set")
-        if wrote is None:
+        if self._call(Priority.PUT, job, "set") is None:
             self._stats.add("writes_skipped")
             return False
-        if wrote:
-            self._stats.add("writes")
-            self._stats.add("bytes_written", self.payload_bytes)
-            self._remember(name)
+        self._stats.add("writes")
+        self._stats.add("bytes_written", self.payload_bytes)
+        self._remember(name)
         return True
 
-    def known(self, key: bytes, tenant: str = SHARED) -> bool:
+    def held(self, key: bytes, tenant: str = SHARED) -> bool:
         """Whether this process wrote or read ``key`` back verified in the last PRESENT_S seconds
         (no network: for callers that must not wait on the server)."""
         return self._known(self.key_name(key, tenant))
