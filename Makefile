@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-unit test-e2e test-gpu test-gpu-e2e lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
+.PHONY: venv test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -76,6 +76,10 @@ test-gpu:
 test-gpu-e2e:
 	VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m pytest -q tests/gpu tests/e2e/test_identity.py \
 	  tests/e2e/test_vllm_connector.py tests/e2e/test_valkey.py
+
+# On the device's nvidia-h200-x2 (two GPUs), vLLM 0.26 carried as for test-gpu-e2e:
+test-gpu-tp2:
+	VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/gpu/test_tp2.py
 
 bench-gpu:
 	PYTHONPATH=src python3 -m hpkv.bench.gpu

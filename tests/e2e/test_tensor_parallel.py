@@ -43,6 +43,7 @@ def test_tp2_memory_and_storage_hits_per_rank(demo_model: str) -> None:
         c = Counters(s)
         assert text(s, p) == cold
         assert c.delta("storage", "hits") == 6  # every rank read its own shard of 3 chunks
+        assert c.delta("storage.rank0", "hits") == c.delta("storage.rank1", "hits") == 3
         assert c.delta("connector", "loaded_tokens") == 3 * CHUNK
     finally:
         s.stop()

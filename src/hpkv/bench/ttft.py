@@ -60,6 +60,7 @@ from hpkv.bench.refs import drop_page_cache, memcpy_gbps, raw_glide_gbps, raw_re
 from hpkv.bench.report import chart, first_error, kv_bytes_per_prompt, print_comparison, print_system
 from hpkv.bench.server import Server, ServerError
 from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, delta, verify_engine, verify_hpkv
+from hpkv.cli.demo_model import SIZES
 
 CHUNK = 256
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--model", default=None, help="model directory (default: build the demo model)")
     ap.add_argument("--url", default=None, help="a running engine, e.g. http://127.0.0.1:8000 (no restarts)")
-    ap.add_argument("--size", default="small", choices=["tiny", "small", "7b"], help="demo model size")
+    ap.add_argument("--size", default="small", choices=list(SIZES), help="demo model size")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--prompts", type=int, default=10)
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))

@@ -35,6 +35,15 @@ SIZES = {
         "num_attention_heads": 8,
         "num_key_value_heads": 2,
     },
+    # 16 layers × 8 KV heads × 128 (512 MiB of KV per 8192-token prompt in bf16, 256 MiB per rank at
+    # tensor parallel size 2): for two GPUs, so each rank holds 4 KV heads; ~1.4B random weights.
+    "8kv": {
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+    },
     # Qwen2-7B's shape (28 layers × 4 KV heads × 128: 448 MiB of KV per 8192-token prompt in bf16),
     # random weights: for GPUs (built on the GPU in seconds; ~15 GB on disk).
     "7b": {

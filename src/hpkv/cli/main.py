@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from hpkv.cli.demo_model import SIZES
+
 
 def main(argv: list[str] | None = None) -> int:
     from hpkv.core.errors import HpkvConfigError
@@ -38,7 +40,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     d = sub.add_parser("demo-model", help="write a random-weight Qwen2 model and tokenizer (offline)")
     d.add_argument("dir")
-    d.add_argument("--size", choices=["tiny", "small", "7b"], default="small")
+    d.add_argument("--size", choices=list(SIZES), default="small")
 
     st = sub.add_parser("stats", help="per-tier counters of running engines")
     st.add_argument("--dir", default=None, help="pool directory (default: HPKV_SHARE_MEM_FILE_PATH)")
@@ -141,7 +143,7 @@ def _stats(directory: str | None, as_json: bool) -> int:
         print(f"engine pid {doc['pid']}  model {doc['model']}")
         for tier, v in doc.get("tiers", {}).items():
             print(
-                f"  {tier:8} hits {v['hits']:>8}  misses {v['misses']:>6}  corrupt {v['corrupt']:>4}  "
+                f"  {tier:13} hits {v['hits']:>8}  misses {v['misses']:>6}  corrupt {v['corrupt']:>4}  "
                 f"read {v['bytes_read'] / 2**20:10.1f} MiB  written {v['bytes_written'] / 2**20:10.1f} MiB  "
                 f"used {v['used_bytes'] / 2**20:9.1f}/{v['capacity_bytes'] / 2**20:.0f} MiB  "
                 f"evictions {v['evictions']}  errors {v['errors']}"

@@ -424,6 +424,12 @@ class Catalog:
             vagg = {k: sum(s[k] for s in per) for k in per[0]}
             vagg["connected"] = per[0]["connected"]
             out[VALKEY] = vagg
+        if self.world_size > 1:
+            # Each rank reads and writes its own shard: its own counters show that every rank
+            # served its part (memory hits are per slot, the same slots on every rank).
+            for name, tiers in ((STORAGE, self.storage), (VALKEY, self.valkey)):
+                for r, t in enumerate(tiers):
+                    out[f"{name}.rank{r}"] = t.stats()
         return out
 
     def check(self) -> None:

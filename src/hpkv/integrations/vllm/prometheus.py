@@ -61,6 +61,8 @@ def install_collector() -> None:
             for doc in docs:
                 pid = str(doc.get("pid"))
                 for tier, vals in (doc.get("tiers") or {}).items():
+                    if "." in tier:  # a rank's share ("storage.rank1"), already in the tier's total
+                        continue
                     for name, fam in fams.items():
                         if name in vals:
                             fam.add_metric([tier, pid], float(vals[name]))
