@@ -130,3 +130,49 @@ def text(server: Server, prompt: str, n: int = 16) -> str:
     out: Any = resp["choices"][0]["text"]
     assert isinstance(out, str)
     return out
+
+
+# Two greedy continuations may part at a tie: a random-weight model's next-token distribution is
+# nearly flat, and in bf16 two logits often round to the same value. Which one wins then depends on
+# the order of the sums, which changes with the shape of the computation (a prefix loaded, not
+# computed) — vLLM's own prefix cache parts there too (seen on the H200: both at the same token,
+# margin 1/64). A tie is accepted only when it is one: every token before it equal with log-probs
+# within TIE_LOGPROB, the cold run's top two within TIE_MARGIN (two bf16 steps at |logprob| 4-8),
+# and the other run took the cold run's runner-up. Wrong KV moves every log-prob, not one tie.
+TIE_LOGPROB = 0.1
+TIE_MARGIN = 0.07
+
+
+class Greedy:
+    """A greedy continuation with its per-token log-probs and top-2 alternatives."""
+
+    def __init__(self, resp: dict[str, Any]) -> None:
+        ch = resp["choices"][0]
+        self.text: str = ch["text"]
+        lp = ch["logprobs"]
+        self.tokens: list[str] = lp["tokens"]
+        self.logprobs: list[float] = lp["token_logprobs"]
+        self.top: list[dict[str, float]] = lp["top_logprobs"]
+
+    def parts_at_tie(self, other: Greedy) -> int | None:
+        """The position where ``other`` parts from this (cold) run at a tie, None if identical;
+        raises AssertionError (saying why) if they differ in any other way."""
+        if self.tokens == other.tokens:
+            return None
+        i = next((k for k, (a, b) in enumerate(zip(self.tokens, other.tokens, strict=False)) if a != b), None)
+        assert i is not None, f"one continuation is a prefix of the other: {self.text!r} vs {other.text!r}"
+        for k in range(i):
+            d = abs(self.logprobs[k] - other.logprobs[k])
+            assert d <= TIE_LOGPROB, f"log-prob of token {k} moved by {d:.3f} (> {TIE_LOGPROB}): not a tie"
+        ranked = sorted(self.top[i].items(), key=lambda kv: -kv[1])
+        assert len(ranked) >= 2, "no runner-up to compare"
+        margin = ranked[0][1] - ranked[1][1]
+        assert margin <= TIE_MARGIN, f"parted at token {i} with a margin of {margin:.3f} (> {TIE_MARGIN})"
+        took = other.tokens[i]
+        assert took == ranked[1][0], f"parted at token {i} to {took!r}, not the runner-up"
+        return i
+
+
+def greedy(server: Server, prompt: str, n: int = 16) -> Greedy:
+    _, resp = server.complete(prompt, max_tokens=n, logprobs=2)
+    return Greedy(resp)

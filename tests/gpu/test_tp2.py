@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.e2e.conftest import CHUNK, Counters, make_server, text, wait_for, words_prompt
+from tests.e2e.conftest import CHUNK, Counters, Greedy, greedy, make_server, wait_for, words_prompt
 
 
 def _cuda_devices() -> int:
@@ -49,6 +49,14 @@ def model_8kv() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def same(cold: list[Greedy], hit: list[Greedy], tier: str) -> None:
+    """Greedy output on hits equals the cold output (up to bf16 ties: see tests.e2e.conftest)."""
+    for n, a, b in zip(LENGTHS, cold, hit, strict=True):
+        at = a.parts_at_tie(b)
+        if at is not None:
+            print(f"{n} tokens from {tier}: parted from the cold run at a tie, token {at}")
+
+
 def test_tp2_memory_and_storage_hits_per_rank(model_8kv: str) -> None:
     tmp = tempfile.mkdtemp(prefix="hpkv-gpu-tp2-")
     s = make_server(
@@ -63,10 +71,10 @@ def test_tp2_memory_and_storage_hits_per_rank(model_8kv: str) -> None:
     total = sum(chunks_loaded(n) for n in LENGTHS)
     s.start()
     try:
-        cold = [text(s, p) for p in prompts]
+        cold = [greedy(s, p) for p in prompts]
         s.reset_prefix_cache()
         c = Counters(s)
-        assert [text(s, p) for p in prompts] == cold
+        same(cold, [greedy(s, p) for p in prompts], "memory")
         assert c.delta("memory", "hits") == total
         assert c.delta("connector", "loaded_tokens") == total * CHUNK
         wait_for(
@@ -76,7 +84,7 @@ def test_tp2_memory_and_storage_hits_per_rank(model_8kv: str) -> None:
         )
         s.restart()
         c = Counters(s)
-        assert [text(s, p) for p in prompts] == cold
+        same(cold, [greedy(s, p) for p in prompts], "storage")
         for r in (0, 1):
             assert c.delta(f"storage.rank{r}", "hits") == total, f"rank {r}"
             per_chunk = c.delta(f"storage.rank{r}", "bytes_read") // total
