@@ -116,7 +116,7 @@ class HpkvScheduler:
         self._refresher.start()
         log.info(
             "hpkv: scheduler ready: tiers %s, chunk %d tokens, %s per chunk per rank, %d rank(s)",
-            ",".join(self.catalog.stats()) or "none",
+            ",".join(t for t in self.catalog.stats() if "." not in t) or "none",
             self.chunk_size,
             f"{self.catalog.payload_bytes / 2**20:.2f} MiB",
             self.world_size,
@@ -315,7 +315,9 @@ class HpkvScheduler:
                 if op.failed:
                     self._counters["load_failures"] += 1
                 else:
-                    self.catalog.count_load(len(op.slots), len(op.slots) * self.catalog.payload_bytes)
+                    # Bytes every rank copied (each its own shard of every chunk).
+                    nbytes = len(op.slots) * self.catalog.payload_bytes * self.world_size
+                    self.catalog.count_load(len(op.slots), nbytes)
                     self._counters["loaded_tokens"] += op.tokens
         self._write_stats()
 
@@ -360,6 +362,7 @@ class HpkvScheduler:
             "tiers": self.catalog.stats(),
             "connector": dict(self._counters),
             "pending": len(self._ops) + staging,
+            "ranks": self.world_size,
         }
 
     def _write_stats(self, force: bool = False) -> None:
