@@ -427,9 +427,10 @@ class Catalog:
         if self.world_size > 1:
             # Each rank reads and writes its own shard: its own counters show that every rank
             # served its part (memory hits are per slot, the same slots on every rank).
-            for name, tiers in ((STORAGE, self.storage), (VALKEY, self.valkey)):
-                for r, t in enumerate(tiers):
-                    out[f"{name}.rank{r}"] = t.stats()
+            for r, st in enumerate(self.storage):
+                out[f"{STORAGE}.rank{r}"] = st.stats()
+            for r, vt in enumerate(self.valkey):
+                out[f"{VALKEY}.rank{r}"] = vt.stats()
         return out
 
     def check(self) -> None:

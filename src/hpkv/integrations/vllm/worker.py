@@ -43,6 +43,7 @@ class HpkvWorker:
         self.block_size = block_size
         self.backend = backend
         self.payload_bytes = namespace.layout.chunk_bytes(chunk_size)
+        self._shard = f" [rank 0's shard of {namespace.world_size}]" if namespace.world_size > 1 else ""
         self.record_bytes = record.record_bytes(self.payload_bytes)
         self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
         self.paged: PagedKV | None = None
@@ -136,11 +137,13 @@ class HpkvWorker:
         return loaded
 
     def _log_load(self, req: LoadRequest, loaded: int, dt: float) -> None:
-        gb = loaded * self.ns.layout.token_bytes * self.ns.world_size / 1e9
+        # This rank's bytes over this rank's time: with tensor parallelism every rank copies its
+        # own shard on its own link, and only rank 0 logs.
+        gb = loaded * self.ns.layout.token_bytes / 1e9
         tiers = ", ".join(f"{k}: {v} chunks" for k, v in sorted(req.tiers.items()) if v)
         log.info(
             "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
-            "cost %.4f ms, throughput: %.4f GB/s (%s)",
+            "cost %.4f ms, throughput: %.4f GB/s (%s)" + self._shard,
             loaded,
             req.requested_tokens,
             req.prompt_tokens,
@@ -191,9 +194,10 @@ class HpkvWorker:
         if self.rank == 0:
             dt = time.perf_counter() - t0
             n = len(stores)
-            gb = n * self.payload_bytes * self.ns.world_size / 1e9
+            gb = n * self.payload_bytes / 1e9
             log.info(
-                "hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms",
+                "hpkv: Stored %d tokens (%d chunks) into the memory pool. size: %.4f gb, cost %.4f ms"
+                + self._shard,
                 n * self.chunk_size,
                 n,
                 gb,
