@@ -47,10 +47,11 @@ def test_mixed_needs_both_tiers() -> None:
     assert not verify_hpkv("mixed", hp(memory_hits=8), e)[0]
 
 
-def test_valkey_row_needs_one_get_per_chunk() -> None:
-    assert verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=8), E)[0]
-    assert not verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=16), E)[0]  # an EXISTS per chunk too
-    assert not verify_hpkv("valkey", hp(valkey_hits=8, storage_hits=1, keyspace_hits=8), E)[0]
+def test_valkey_row_needs_one_exists_and_one_get_per_chunk() -> None:
+    assert verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=16), E)[0]
+    assert not verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=8), E)[0]  # no lookup asked
+    assert not verify_hpkv("valkey", hp(valkey_hits=8, keyspace_hits=24), E)[0]  # a second GET
+    assert not verify_hpkv("valkey", hp(valkey_hits=8, storage_hits=1, keyspace_hits=16), E)[0]
 
 
 def test_prefill_and_gpu_rows() -> None:

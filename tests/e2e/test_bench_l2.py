@@ -19,7 +19,7 @@ def test_l2_confirmed_on_a_cluster(demo_model: str, tmp_path: Any, capsys: Any) 
     assert "L2 RETRIEVAL CONFIRMED" in text
     with open(os.path.join(out, "l2.json")) as f:
         res = json.load(f)
-    assert res["keyspace_hits_delta"] == res["expected"] == 6  # 1536 tokens = 6 chunks, one GET each
+    assert res["keyspace_hits_delta"] == res["expected"] == 12  # 6 chunks, 1 EXISTS + 1 GET each
     assert "hpkv counters: valkey hits 6" in text
 
 

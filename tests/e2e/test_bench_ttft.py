@@ -32,7 +32,7 @@ def test_every_scenario_is_proven_and_reported(demo_model: str, tmp_path: Any, c
     rows = {r["scenario"]: r for r in hp["rows"]}
     assert list(rows) == ["prefill", "gpu", "memory", "storage", "storage-cold", "mixed", "valkey"]
     assert all(r["valid"] for r in rows.values()), [r["proof"] for r in rows.values()]
-    assert rows["valkey"]["deltas"]["keyspace_hits"] == 2 * 4  # 2 prompts x 4 full chunks, one GET each
+    assert rows["valkey"]["deltas"]["keyspace_hits"] == 2 * 2 * 4  # 2 prompts x 4 chunks x (EXISTS + GET)
     assert rows["mixed"]["deltas"]["storage_hits"] == 2 * 2  # half of each prompt came from memory
     assert rows["storage-cold"]["deltas"]["page_cache_reads"] == 0
     assert rows["memory"]["deltas"]["prefix_cache_hits"] == 0  # vLLM's own cache did not serve it

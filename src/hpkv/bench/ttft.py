@@ -23,7 +23,7 @@ time to the first byte of the response. Scenarios, in order, on one engine:
 
 A scenario counts only if hpkv's counters show the tier it claims (e.g. the
 memory row needs one memory-pool hit per chunk and no promotion from storage;
-the valkey row also one GET per chunk in the server's keyspace_hits; every row
+the valkey row also one EXISTS + one GET per chunk in the server's keyspace_hits; every row
 also vLLM's own prefix-cache counters); otherwise the row is marked INVALID with
 the reason. Each hit row's load rate (KV bytes / (TTFT - GPU-hit TTFT)) is set
 against a reference measured in the same run on the same data: single-thread

@@ -410,10 +410,16 @@ class ValkeyServers:
 
     def keyspace_hits(self) -> int:
         """``keyspace_hits`` summed over every primary (the seed's proof of remote GETs)."""
+        return self._stat("keyspace_hits")
+
+    def keyspace_misses(self) -> int:
+        return self._stat("keyspace_misses")
+
+    def _stat(self, name: str) -> int:
         total = 0
         for node in self.nodes:
             c = self.admin(node)
-            total += int(info(c, "stats").get("keyspace_hits", 0))
+            total += int(info(c, "stats").get(name, 0))
             c.close()
         return total
 

@@ -173,16 +173,28 @@ class Catalog:
             t.contains(self.record_key(r, lk)) for r, t in enumerate(self.storage)
         )
 
-    def in_valkey_many(self, lks: list[bytes]) -> list[bool]:
+    def in_valkey_many(self, lks: list[bytes], tenant: str = SHARED) -> list[bool]:
         """Which of ``lks`` every rank's shard of is on the valkey tier (one pipelined round trip
-        per rank)."""
+        per rank; blocks for it)."""
         if not self.valkey or not lks:
             return [False] * len(lks)
         have = [True] * len(lks)
         for r, t in enumerate(self.valkey):
-            got = t.contains_many([self.record_key(r, lk) for lk in lks])
+            got = t.contains_many([self.record_key(r, lk) for lk in lks], tenant)
             have = [a and b for a, b in zip(have, got, strict=True)]
         return have
+
+    def probe_valkey(self, lks: list[bytes], tenant: str = SHARED) -> Future[list[bool]]:
+        """:meth:`in_valkey_many` on an I/O thread; never blocks. A failure answers "absent"."""
+
+        def run() -> list[bool]:
+            try:
+                return self.in_valkey_many(lks, tenant)
+            except Exception:
+                log.exception("hpkv: valkey existence check failed")
+                return [False] * len(lks)
+
+        return self._io.submit(run)
 
     def where(self, lk: bytes) -> str | None:
         return self.locate([lk])[0]
@@ -191,7 +203,7 @@ class Catalog:
         """Per key memory, storage or None, without asking valkey and without cutting at a gap."""
         return [MEMORY if self.in_memory(lk) else STORAGE if self.in_storage(lk) else None for lk in lks]
 
-    def locate(self, lks: Iterable[bytes]) -> list[str | None]:
+    def locate(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
 
         Memory and storage are checked here; the keys they lack go to valkey in one batch."""
@@ -200,7 +212,7 @@ class Catalog:
         rest = [i for i, w in enumerate(out) if w is None]
         if rest and self.valkey:
             # Only up to the first key nothing holds matters; ask for the local gaps before it too.
-            for i, ok in zip(rest, self.in_valkey_many([keys[i] for i in rest]), strict=True):
+            for i, ok in zip(rest, self.in_valkey_many([keys[i] for i in rest], tenant), strict=True):
                 if ok:
                     out[i] = VALKEY
         if None in out:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,13 +31,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpkv")
 
-# How long one lookup may wait for promotions before answering "ask again later",
-# and how long a request keeps being asked about before it settles for what is in memory.
-STAGE_WAIT_S = 0.005
-# ... and while the engine has nothing else to run: answering "later" then only makes it spin through
-# empty steps (scheduler and workers polling), which takes the CPU from the promotion threads.
-STAGE_WAIT_IDLE_S = 0.05
+# How long a request keeps being asked about before it settles for what is in memory then.
 STAGE_GIVE_UP_S = 30.0
+# A step that scheduled nothing while lookups wait for tier I/O: the engine would spin through empty
+# steps (scheduler and workers polling), taking the CPU from the promotion threads. Such a step waits
+# for the first of those lookups' I/O to finish, at most this long; no request is running to delay.
+IDLE_WAIT_S = 0.005
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 PENDING_OPS_MAX_S = 60.0
 
@@ -54,11 +53,16 @@ class _Req:
     load_start: int = 0
     load_tokens: int = 0
     pending_load: bool = False
+    # The lookup, in the order it happens (never waiting: see get_num_new_matched_tokens):
+    where: list[str | None] | None = None  # tier per chunk from looked_from on (None: no tier)
+    looked_from: int = 0
+    probe: Future[list[bool]] | None = None  # valkey's answer for the chunks local tiers lack
+    probe_at: list[int] = field(default_factory=list)
+    stage_started: bool = False
     staging: list[Future[bool]] = field(default_factory=list)
     staging_since: float = 0.0
     staged: bool = False
     tiers: dict[str, int] = field(default_factory=dict)
-    remote_candidates: list[bytes] = field(default_factory=list)
     protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
 
 
@@ -97,7 +101,6 @@ class HpkvScheduler:
         self._ops: dict[int, _Op] = {}
         self._next_op = 1
         self._pending_store: set[bytes] = set()
-        self._idle = False  # the last step scheduled nothing
         self._attached = 0  # worker ranks that have mapped their pool file
         self._counters = {
             "lookups": 0,
@@ -153,6 +156,15 @@ class HpkvScheduler:
         return st
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        """How many tokens past ``num_computed`` hpkv can load; ``None`` = ask again next step.
+
+        Never waits (vLLM calls this inside the step that serves every running request). The
+        first call looks in memory and storage (local indexes) and, for the chunks they lack,
+        asks valkey once on a thread (one pipelined EXISTS per rank); the hit is cut at the
+        first chunk no tier holds, and the chunks below memory are promoted on threads. Until
+        the answer and the promotions are in, the request is asked about again: vLLM schedules
+        the others meanwhile. The chunks of the hit are protected from eviction from the first
+        call until they are pinned, so promotions never evict the request's own chunks."""
         st = self._state(request)
         self._release_lease(st)
         if not self.load_enabled or not st.lks:
@@ -161,25 +173,36 @@ class HpkvScheduler:
         first = num_computed // C
         lks = st.lks
         if not st.staged:
-            if not st.staging:
-                # Valkey is not asked whether it holds the chunks local tiers lack: promoting
-                # them (one GET each, straight into a pool slot) answers that and fetches the data,
-                # so a remote hit costs exactly one request per chunk and rank.
-                where = self.catalog.locate_local(lks[first:])
-                if not self.catalog.valkey:
-                    cut = where.index(None) if None in where else len(where)
-                    where = where[:cut]
-                need = [lk for lk, w in zip(lks[first:], where, strict=False) if w != MEMORY]
-                st.tiers = {MEMORY: where.count(MEMORY), STORAGE: where.count(STORAGE)}
-                st.remote_candidates = [lk for lk, w in zip(lks[first:], where, strict=False) if w is None]
-                st.protected = lks[first : first + len(where)]
-                self.catalog.protect(st.protected)
-                st.staging = self.catalog.stage(need, st.tenant)
-                st.staging_since = time.monotonic()
-            if st.staging:
-                _, pending = wait(st.staging, timeout=STAGE_WAIT_IDLE_S if self._idle else STAGE_WAIT_S)
-                if pending and time.monotonic() - st.staging_since < STAGE_GIVE_UP_S:
+            if st.where is None:
+                st.where = self.catalog.locate_local(lks[first:])
+                st.looked_from = first
+                gaps = [i for i, w in enumerate(st.where) if w is None]
+                if gaps and self.catalog.valkey:
+                    st.probe_at = gaps
+                    st.probe = self.catalog.probe_valkey([lks[first + i] for i in gaps], st.tenant)
+                    st.staging_since = time.monotonic()
+            if st.probe is not None:
+                if not st.probe.done() and not self._gave_up(st):
                     return None, False
+                have = st.probe.result() if st.probe.done() else [False] * len(st.probe_at)
+                for i, ok in zip(st.probe_at, have, strict=True):
+                    if ok:
+                        st.where[i] = VALKEY
+                st.probe = None
+            if not st.stage_started:
+                st.stage_started = True
+                where = st.where
+                cut = where.index(None) if None in where else len(where)
+                where = where[:cut]
+                st.tiers = {t: where.count(t) for t in (MEMORY, STORAGE, VALKEY)}
+                st.protected = lks[st.looked_from : st.looked_from + cut]
+                self.catalog.protect(st.protected)
+                need = [lk for lk, w in zip(st.protected, where, strict=True) if w != MEMORY]
+                st.staging = self.catalog.stage(need, st.tenant)
+                if not st.staging_since:
+                    st.staging_since = time.monotonic()
+            if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
+                return None, False
             st.staged = True
             if st.staging:
                 log.info(
@@ -188,10 +211,12 @@ class HpkvScheduler:
                     request.request_id,
                     (time.monotonic() - st.staging_since) * 1e3,
                 )
+                st.tiers[VALKEY] = sum(
+                    self.catalog.in_memory(lk)
+                    for lk, w in zip(st.protected, st.where, strict=False)
+                    if w == VALKEY
+                )
             st.staging = []
-            if st.remote_candidates:
-                st.tiers[VALKEY] = sum(self.catalog.in_memory(lk) for lk in st.remote_candidates)
-                st.remote_candidates = []
         self._counters["lookups"] += 1
         slots = self.catalog.pin(lks[first:])
         self._unprotect(st)  # pinned now (what is in memory of it)
@@ -222,7 +247,8 @@ class HpkvScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
         meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
-        self._idle = so.total_num_scheduled_tokens == 0
+        if so.total_num_scheduled_tokens == 0:
+            self._idle_wait()
         for new in so.scheduled_new_reqs:
             st = self._seen(new.req_id, new.prompt_token_ids)
             st.block_ids = list(new.block_ids[0])
@@ -341,6 +367,19 @@ class HpkvScheduler:
         log.info("hpkv: memory pool cleared (reset_external)")
         return True
 
+    def _gave_up(self, st: _Req) -> bool:
+        """The request's tier I/O has taken too long: settle for what has arrived."""
+        return bool(st.staging_since) and time.monotonic() - st.staging_since > STAGE_GIVE_UP_S
+
+    def _idle_wait(self) -> None:
+        pending: list[Future[Any]] = []
+        for st in list(self._reqs.values()):
+            if st.probe is not None and not st.probe.done():
+                pending.append(st.probe)
+            pending.extend(f for f in st.staging if not f.done())
+        if pending:
+            wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+
     def _unprotect(self, st: _Req) -> None:
         if st.protected:
             self.catalog.unprotect(st.protected)
@@ -357,7 +396,7 @@ class HpkvScheduler:
         """Counters, plus ``pending``: work whose counters are still to come (loads and stores the
         workers have not reported, lookups staging). A reader that waits for ``pending == 0`` in a
         file written after its request sees every count of that request (bench.server.settled_stats)."""
-        staging = sum(1 for st in list(self._reqs.values()) if st.staging)
+        staging = sum(1 for st in list(self._reqs.values()) if st.staging or st.probe is not None)
         return {
             "tiers": self.catalog.stats(),
             "connector": dict(self._counters),

@@ -1,0 +1,376 @@
+"""The vLLM scheduler side of the connector, step by step, without a server.
+
+A real ``HpkvScheduler`` (real pool files, a real storage directory, a real valkey server where one is
+named) and real vLLM ``Request`` objects; the scheduler outputs are synthetic (what vLLM's scheduler
+would hand over: the fields the connector reads), and the workers' part (filling pool slots, reporting
+per rank) is done here the way the workers do it. The only stand-in is a gate that holds a storage read
+(a real disk cannot be made slow on demand). Each test asserts exact counters and pins.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from hpkv import HpkvConfig
+from hpkv.core import record
+from hpkv.core.keys import Namespace
+from hpkv.engine.catalog import MEMORY
+from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta
+from hpkv.integrations.vllm.scheduler import HpkvScheduler
+from tests.conftest import SMALL, random_tokens
+
+pytest.importorskip("vllm")
+from vllm import SamplingParams
+from vllm.v1.request import Request
+
+BLOCK = 16
+CHUNK = 32  # two blocks per chunk
+
+
+class Sim:
+    """vLLM's scheduler as the connector sees it, and the workers' side of each op."""
+
+    def __init__(self, sched: HpkvScheduler) -> None:
+        self.s = sched
+        self.cat = sched.catalog
+        self.next_block = 0
+        self.blocks: dict[str, list[int]] = {}
+
+    def request(self, rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+
+    def lookup(self, req: Request, computed: int = 0) -> int | None:
+        n, asynchronous = self.s.get_num_new_matched_tokens(req, computed)
+        assert asynchronous is False
+        return n
+
+    def lookup_settled(self, req: Request, timeout: float = 10.0) -> int:
+        """Ask as vLLM does, step after step, until the answer is not "later" (idle steps between)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            n = self.lookup(req)
+            if n is not None:
+                return n
+            assert time.monotonic() < deadline, "the lookup never settled"
+            self.s.build_connector_meta(self.step_output())
+
+    def admit(self, req: Request, external: int) -> list[int]:
+        need = -(-len(req.prompt_token_ids or []) // BLOCK)
+        ids = list(range(self.next_block, self.next_block + need))
+        self.next_block += need
+        self.blocks[req.request_id] = ids
+        self.s.update_state_after_alloc(req, SimpleNamespace(), external)
+        return ids
+
+    def step_output(self, new: list[tuple[Request, int, int]] | None = None) -> Any:
+        """A scheduler output scheduling ``(request, computed, scheduled)`` as new requests."""
+        news = [
+            SimpleNamespace(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                block_ids=(self.blocks[r.request_id],),
+                num_computed_tokens=computed,
+            )
+            for r, computed, _ in new or []
+        ]
+        cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+        sched = {r.request_id: n for r, _, n in new or []}
+        return SimpleNamespace(
+            scheduled_new_reqs=news,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=sched,
+            total_num_scheduled_tokens=sum(sched.values()),
+        )
+
+    def step(self, new: list[tuple[Request, int, int]] | None = None) -> HpkvMeta:
+        return self.s.build_connector_meta(self.step_output(new))
+
+    def fill(self, meta: HpkvMeta) -> None:
+        """The workers' part of each store: the chunk's record sealed into its slot, on every rank."""
+        for st in meta.stores:
+            for r in range(self.cat.world_size):
+                off = st.slot * self.cat.slot_bytes
+                view = self.cat.pools[r].view[off : off + self.cat.record_bytes]
+                view[record.HEADER_BYTES :] = bytes([r + 1]) * self.cat.payload_bytes
+                rd = self.cat.rank_digests[r]
+                record.seal(view, rd, self.cat.record_key(r, st.lk), self.cat.payload_bytes)
+
+    def report(self, results: dict[int, tuple[int, int]]) -> None:
+        self.s.update_connector_output(
+            SimpleNamespace(kv_connector_worker_meta=HpkvWorkerMeta(results=results))
+        )
+
+    def ops(self, meta: HpkvMeta) -> list[int]:
+        return [x.op_id for x in meta.stores] + [x.op_id for x in meta.loads]
+
+    def cold(self, rid: str, tokens: list[int]) -> int:
+        """A cold request that stores its full chunks (every rank confirms). Returns chunks stored."""
+        req = self.request(rid, tokens)
+        assert self.lookup_settled(req) == 0
+        self.admit(req, 0)
+        meta = self.step([(req, 0, len(tokens))])
+        self.fill(meta)
+        self.report({op: (self.cat.world_size, 0) for op in self.ops(meta)})
+        self.s.request_finished(req)
+        self.cat.flush()  # the cascade to storage done: its pins released
+        return len(meta.stores)
+
+    def pinned(self) -> int:
+        return int(self.cat.stats()[MEMORY]["pinned_slots"])
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.s.stats()["connector"])
+
+
+@pytest.fixture
+def make_sim(shm_dir: str, storage_dir: str) -> Iterator[Any]:
+    made: list[HpkvScheduler] = []
+
+    def factory(world_size: int = 1, **cfg: Any) -> Sim:
+        cfg.setdefault("mem_pool_size", "8M")
+        cfg.setdefault("share_mem_file_path", shm_dir)
+        cfg.setdefault("storage_path", storage_dir)
+        cfg.setdefault("chunk_size", CHUNK)
+        ns = Namespace("steps", SMALL, CHUNK, 0, world_size)
+        s = HpkvScheduler(HpkvConfig(**cfg), ns, BLOCK, load=True, store=True)
+        made.append(s)
+        return Sim(s)
+
+    yield factory
+    for s in made:
+        s.shutdown()
+
+
+def prompt(chunks: int, seed: int) -> list[int]:
+    return random_tokens(chunks * CHUNK + 1, seed)  # the engine computes the last token itself
+
+
+class Gate:
+    """Holds every storage read of rank 0 until released (and says when one is held)."""
+
+    def __init__(self, sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.reading, self.release = threading.Event(), threading.Event()
+        tier = sim.cat.storage[0]
+        real = tier.read_into
+
+        def held(key: bytes, buf: memoryview) -> bool:
+            self.reading.set()
+            self.release.wait(20)
+            return real(key, buf)
+
+        monkeypatch.setattr(tier, "read_into", held)
+
+
+def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    sim = make_sim()
+    tokens = prompt(4, seed=1)
+    assert sim.cold("a", tokens) == 4
+    sim.cat.flush()
+    sim.s.reset_cache()  # memory emptied; the chunks stay in storage
+    gate = Gate(sim, monkeypatch)
+    req = sim.request("b", tokens)
+    answers: list[int | None] = []
+    t = threading.Thread(target=lambda: answers.append(sim.lookup(req)))
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "get_num_new_matched_tokens waited for a storage read"
+    assert answers == [None]  # ask again: the promotions are running
+    assert gate.reading.wait(5)
+    assert sim.lookup(req) is None  # still held: still "later", still no wait
+    gate.release.set()
+    assert sim.lookup_settled(req) == 4 * CHUNK
+    assert sim.cat.stats()[MEMORY]["promotions"] == 4
+    assert sim.pinned() == 4  # the lease of the hit
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0
+    assert sim.counters()["lookup_hit_tokens"] == 4 * CHUNK
+
+
+def test_promotions_never_evict_the_requests_own_chunks(make_sim: Any) -> None:
+    # A pool of exactly 6 slots, full: the request's first 2 chunks and 4 chunks of others.
+    probe = make_sim(mem_pool_size="1M")
+    slot_bytes = probe.cat.slot_bytes
+    probe.s.shutdown()
+    sim = make_sim(mem_pool_size=str(6 * slot_bytes), storage_io_threads=1)
+    assert sim.cat.num_slots == 6
+    tokens = prompt(6, seed=2)
+    assert sim.cold("a", tokens) == 6
+    sim.cat.flush()
+    sim.s.reset_cache()
+    head = sim.cat.keys(tokens)[:2]
+    for lk in head:
+        assert sim.cat.stage([lk])[0].result(10)
+    assert sim.cold("other", prompt(4, seed=3)) == 4
+    assert sim.cat.stats()[MEMORY]["chunks"] == 6
+    req = sim.request("b", tokens)
+    assert sim.lookup_settled(req) == 6 * CHUNK  # 2 resident + 4 promoted, evicting only the others
+    assert all(sim.cat.in_memory(lk) for lk in sim.cat.keys(tokens))
+    assert sim.pinned() == 6
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0
+
+
+def test_a_pool_too_small_for_the_prompt_gives_a_shorter_hit(make_sim: Any) -> None:
+    probe = make_sim(mem_pool_size="1M")
+    slot_bytes = probe.cat.slot_bytes
+    probe.s.shutdown()
+    sim = make_sim(mem_pool_size=str(5 * slot_bytes), storage_io_threads=1)
+    tokens = prompt(6, seed=4)
+    assert sim.cold("a", tokens) == 5  # the sixth chunk found every slot pinned by the first five
+    sim.cat.flush()
+    sim.s.reset_cache()
+    before = sim.cat.stats()[MEMORY]
+    req = sim.request("b", tokens)
+    assert sim.lookup_settled(req) == 5 * CHUNK  # five promoted (FIFO, one thread), then no slot
+    after = sim.cat.stats()[MEMORY]
+    assert after["promotions"] - before["promotions"] == 5
+    assert after["evictions"] - before["evictions"] == 0  # nothing of its own thrown out
+    assert sim.pinned() == 5
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0
+
+
+def test_ranks_reporting_out_of_order_and_one_rank_failing(make_sim: Any) -> None:
+    sim = make_sim(world_size=2)
+    tokens = prompt(2, seed=5)
+    req = sim.request("a", tokens)
+    assert sim.lookup_settled(req) == 0
+    sim.admit(req, 0)
+    meta = sim.step([(req, 0, len(tokens))])
+    assert len(meta.stores) == 2
+    sim.fill(meta)
+    a, b = (x.op_id for x in meta.stores)
+    sim.report({b: (1, 0)})  # rank 1 first, for the second chunk only
+    assert not any(sim.cat.in_memory(x.lk) for x in meta.stores)  # one rank is not enough
+    sim.report({a: (1, 0)})
+    sim.report({a: (1, 0), b: (1, 0)})  # rank 0, later
+    assert all(sim.cat.in_memory(x.lk) for x in meta.stores)
+    assert sim.counters()["stored_tokens"] == 2 * CHUNK
+    sim.s.request_finished(req)
+    sim.cat.flush()
+
+    req2 = sim.request("b", tokens)
+    assert sim.lookup_settled(req2) == 2 * CHUNK
+    sim.admit(req2, 2 * CHUNK)
+    meta = sim.step([(req2, 2 * CHUNK, 1)])
+    [load] = meta.loads
+    assert sim.pinned() == 2
+    sim.report({load.op_id: (1, 0)})
+    assert sim.pinned() == 2  # rank 0 still copying
+    sim.report({load.op_id: (0, 1)})  # rank 1 failed (a record failed its check there)
+    assert sim.pinned() == 0
+    c = sim.counters()
+    assert c["load_failures"] == 1 and c["loaded_tokens"] == 0
+    assert sim.cat.stats()[MEMORY]["hits"] == 0
+    sim.s.request_finished(req2)
+
+
+def test_a_reset_during_staging_leaves_nothing_visible(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = make_sim(storage_io_threads=1)
+    tokens = prompt(3, seed=6)
+    assert sim.cold("a", tokens) == 3
+    sim.cat.flush()
+    sim.s.reset_cache()
+    gate = Gate(sim, monkeypatch)
+    req = sim.request("b", tokens)
+    assert sim.lookup(req) is None
+    assert gate.reading.wait(5)
+    sim.s.reset_cache()  # POST /reset_prefix_cache?reset_external=true while the chunk is read
+    gate.release.set()
+    assert sim.lookup_settled(req) == 0
+    # The chunk read across the reset never became visible (the two behind it, read after the
+    # reset on the one I/O thread, did: they are valid, but no hit can start past a gap).
+    assert not sim.cat.in_memory(sim.cat.keys(tokens)[0])
+    assert sim.pinned() == 0
+    sim.s.request_finished(req)
+    sim.cat.check()
+
+
+def test_a_request_aborted_mid_load_releases_its_slots_once(make_sim: Any) -> None:
+    sim = make_sim()
+    tokens = prompt(3, seed=7)
+    assert sim.cold("a", tokens) == 3
+    req = sim.request("b", tokens)
+    assert sim.lookup_settled(req) == 3 * CHUNK
+    sim.admit(req, 3 * CHUNK)
+    meta = sim.step([(req, 3 * CHUNK, 1)])
+    [load] = meta.loads
+    sim.s.request_finished(req)  # aborted while the workers copy
+    assert sim.pinned() == 3  # the copy in flight still reads the slots
+    sim.report({load.op_id: (1, 0)})
+    assert sim.pinned() == 0
+    assert sim.counters()["loaded_tokens"] == 3 * CHUNK
+
+    # Aborted after its lookup, before it was scheduled: the lease goes with it.
+    req = sim.request("c", tokens)
+    assert sim.lookup_settled(req) == 3 * CHUNK
+    assert sim.pinned() == 3
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0
+
+
+def test_a_preempted_request_looks_up_again_without_leaking_pins(make_sim: Any) -> None:
+    sim = make_sim()
+    tokens = prompt(2, seed=8)
+    assert sim.cold("a", tokens) == 2
+    req = sim.request("b", tokens)
+    assert sim.lookup_settled(req) == 2 * CHUNK
+    sim.admit(req, 2 * CHUNK)
+    meta = sim.step([(req, 2 * CHUNK, 1)])
+    [load] = meta.loads
+    # Preempted before the workers reported; vLLM asks again when it resumes the request.
+    assert sim.lookup(req) == 2 * CHUNK
+    assert sim.pinned() == 2  # slots pinned: the op's and the new lease's pins are on the same two
+    sim.report({load.op_id: (1, 0)})
+    assert sim.pinned() == 2  # the lease's pins remain
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0
+
+
+def test_a_leased_chunk_is_not_evicted_before_its_load(make_sim: Any) -> None:
+    probe = make_sim(mem_pool_size="1M")
+    slot_bytes = probe.cat.slot_bytes
+    probe.s.shutdown()
+    sim = make_sim(mem_pool_size=str(4 * slot_bytes), storage_path=None)
+    tokens = prompt(2, seed=9)
+    assert sim.cold("a", tokens) == 2
+    req = sim.request("b", tokens)
+    assert sim.lookup_settled(req) == 2 * CHUNK
+    lks = sim.cat.keys(tokens)
+    # Other requests store 4 chunks meanwhile: only the 2 free slots may be taken.
+    assert sim.cold("other", prompt(4, seed=10)) == 2
+    assert all(sim.cat.in_memory(lk) for lk in lks)
+    sim.admit(req, 2 * CHUNK)
+    meta = sim.step([(req, 2 * CHUNK, 1)])
+    [load] = meta.loads
+    assert [c.lk for c in load.chunks] == lks
+    sim.report({load.op_id: (1, 0)})
+    assert sim.pinned() == 0
+    assert sim.counters()["loaded_tokens"] == 2 * CHUNK
+
+
+def test_a_miss_on_valkey_is_one_existence_check_and_reserves_nothing(
+    make_sim: Any, valkey_server: Any
+) -> None:
+    sim = make_sim(
+        storage_path=None, remote_url=valkey_server.url, request_timeout=2.0, connection_timeout=2.0
+    )
+    misses0, hits0 = valkey_server.keyspace_misses(), valkey_server.keyspace_hits()
+    req = sim.request("a", prompt(8, seed=11))
+    before = sim.cat.stats()[MEMORY]
+    assert sim.lookup_settled(req) == 0
+    after = sim.cat.stats()[MEMORY]
+    assert after["promotions"] == before["promotions"] == 0
+    assert after["evictions"] == before["evictions"] and after["writes_skipped"] == before["writes_skipped"]
+    assert not sim.cat._staging  # no promotion was even started for a prompt no tier holds
+    assert valkey_server.keyspace_misses() - misses0 == 8  # one EXISTS per chunk, in one batch
+    assert valkey_server.keyspace_hits() == hits0
+    sim.s.request_finished(req)
