@@ -49,8 +49,8 @@ def _main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("clear", help="delete every chunk in a storage directory")
     c.add_argument("--storage", default=None, help="storage directory (default: HPKV_KV_STORAGE_PATH)")
 
-    b = sub.add_parser("bench", help="benchmarks: tiers, valkey, l2, ttft")
-    b.add_argument("which", choices=["tiers", "valkey", "l2", "ttft"])
+    b = sub.add_parser("bench", help="benchmarks: tiers, valkey, l2, ttft, cold, itl")
+    b.add_argument("which", choices=["tiers", "valkey", "l2", "ttft", "cold", "itl"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
 
     v = sub.add_parser("valkey", help="run real valkey-server processes on loopback (for trying hpkv)")
@@ -120,6 +120,14 @@ def _main(argv: list[str] | None = None) -> int:
             from hpkv.bench.l2 import main as l2_main
 
             return l2_main(a.rest)
+        if a.which == "cold":
+            from hpkv.bench.cold import main as cold_main
+
+            return cold_main(a.rest)
+        if a.which == "itl":
+            from hpkv.bench.itl import main as itl_main
+
+            return itl_main(a.rest)
         from hpkv.bench.ttft import main as ttft_main
 
         return ttft_main(a.rest)

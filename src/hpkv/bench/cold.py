@@ -1,0 +1,189 @@
+"""``hpkv bench cold``: what hpkv costs a prompt no tier holds, interleaved with vLLM alone.
+
+Two servers on the same model, flags and thread binding run side by side: vLLM with hpkv storing to
+every tier it has (memory + storage + valkey by default, an embedded valkey-server) and vLLM alone.
+Each round sends ``--prompts`` fresh prompts (never seen by either engine: cold everywhere) to one
+system, waits until hpkv's background writes of that round are done (so they never overlap the other
+system's requests), then the same number to the other; the order alternates every round (hpkv, none,
+none, hpkv, ...). Only one server computes at a time. Reported: the median TTFT per system and round,
+the median over rounds, the spread (min-max over rounds), and the ratio hpkv/none of the medians and
+its range over rounds. hpkv's counters prove that it stored every chunk of every prompt (else the
+round is marked).
+
+The CPU build runs the model in the process that also runs hpkv's scheduler side, so whatever
+hpkv's tier work costs shows up here; on a GPU the same command measures the GPU engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+from hpkv.bench.server import Server, ServerError, counter
+from hpkv.bench.ttft import model_dtype
+
+CHUNK = 256
+
+
+def fresh_prompts(model: str, n: int, tokens: int, seed: int) -> list[str]:
+    """``n`` prompts of ``tokens`` random vocabulary words (one token each with the demo tokenizer)."""
+    with open(os.path.join(model, "hpkv-words.txt")) as f:
+        words = f.read().split()
+    return [" ".join(random.Random(seed * 1000 + i).choice(words) for _ in range(tokens)) for i in range(n)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hpkv bench cold", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="model directory (default: build the demo model)")
+    ap.add_argument("--size", default="small", help="demo model size when --model is not given")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--prompts", type=int, default=2, help="prompts per system per round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--tiers", default="memory,storage,valkey", help="hpkv's tiers, of memory,storage,valkey")
+    ap.add_argument("--pool-size", default="2G")
+    ap.add_argument("--port", type=int, default=8351)
+    ap.add_argument("--out", default="out/bench-cold")
+    ap.add_argument("--vllm-args", default="--enforce-eager")
+    args = ap.parse_args(argv)
+    tiers = {t for t in args.tiers.split(",") if t}
+    if not tiers <= {"memory", "storage", "valkey"} or "memory" not in tiers:
+        ap.error(f"--tiers {args.tiers!r}: use memory plus any of storage, valkey (e.g. memory,valkey)")
+
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model
+    if model is None:
+        model = os.path.join(args.out, f"demo-model-{args.size}")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            from hpkv.cli.demo_model import write_demo_model
+
+            write_demo_model(model, args.size)
+    work = tempfile.mkdtemp(prefix="hpkv-bench-cold-")
+    shm = tempfile.mkdtemp(prefix="hpkv-bench-cold-", dir="/dev/shm")
+    valkey: Any = None
+    servers: dict[str, Server] = {}
+    try:
+        base = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+        cpus = sorted(os.sched_getaffinity(0))
+        base.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")  # the same for both
+        env = dict(base, HPKV_KV_MEM_POOL_SIZE=args.pool_size, HPKV_SHARE_MEM_FILE_PATH=shm)
+        if "storage" in tiers:
+            env["HPKV_KV_STORAGE_PATH"] = os.path.join(work, "storage")
+        if "valkey" in tiers:
+            from hpkv.bench.valkey import ValkeyServers
+
+            valkey = ValkeyServers(directory=os.path.join(work, "valkey")).start()
+            env["HPKV_REMOTE_URL"] = valkey.url
+        vargs = ["--max-model-len", str(max(args.tokens + 64, 2048)), "--max-num-batched-tokens", "2048"]
+        vargs += ["--dtype", model_dtype(model), *args.vllm_args.split()]
+        for i, (name, e, conn) in enumerate((("hpkv", env, None), ("none", base, ""))):
+            servers[name] = Server(
+                model,
+                args.port + i,
+                e,
+                os.path.join(args.out, f"vllm-{name}.log"),
+                connector_json=conn,
+                vllm_args=vargs,
+            )
+        for name, s in servers.items():  # one after the other: starting competes for the CPU
+            print(f"[{name}] starting vLLM (log: {s.log_path})", flush=True)
+            s.start()
+        for s in servers.values():  # warm both: the first request after a start pays one-off costs
+            s.complete(fresh_prompts(model, 1, 256, seed=999_999)[0])
+        _settle(servers["hpkv"])
+        rows: dict[str, list[float]] = {"hpkv": [], "none": []}
+        per_round: list[dict[str, float]] = []
+        invalid: list[str] = []
+        for r in range(args.rounds):
+            order = ["hpkv", "none"] if r % 2 == 0 else ["none", "hpkv"]
+            med: dict[str, float] = {}
+            for name in order:
+                s = servers[name]
+                prompts = fresh_prompts(model, args.prompts, args.tokens, seed=2 * r + (name == "none"))
+                before = s.settled_stats() if name == "hpkv" else None
+                times = [s.complete(p)[0] for p in prompts]
+                if name == "hpkv":
+                    after = _settle(s)
+                    stored = counter(after, "connector", "stored_tokens") - counter(
+                        before or {}, "connector", "stored_tokens"
+                    )
+                    want = args.prompts * (args.tokens // CHUNK) * CHUNK
+                    if stored != want:
+                        invalid.append(f"round {r}: hpkv stored {stored} of {want} tokens")
+                med[name] = statistics.median(times)
+                rows[name].extend(times)
+            per_round.append(med)
+            print(
+                f"round {r}: "
+                + "  ".join(f"{n} {med[n]:.3f} s" for n in order)
+                + f"  hpkv/none {med['hpkv'] / med['none']:.3f}",
+                flush=True,
+            )
+        report = _report(per_round, args, invalid, servers["hpkv"])
+        print(report["text"])
+        with open(os.path.join(args.out, "cold.json"), "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "text"} | {"requests": rows}, f, indent=1)
+        return 0 if not invalid else 1
+    except ServerError as e:
+        print(f"stopped: {e}")
+        return 1
+    finally:
+        for s in servers.values():
+            s.stop()
+        if valkey is not None:
+            valkey.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _settle(s: Server) -> dict[str, Any]:
+    """hpkv's counters once its loads, stores and cascade writes are done (nothing queued)."""
+    deadline = time.monotonic() + 120
+    while True:
+        st = s.settled_stats()
+        if not st.get("tiers", {}).get("memory", {}).get("cascade_pending", 0) and not _pinned(st):
+            return st
+        if time.monotonic() > deadline:
+            return st
+        time.sleep(0.05)
+
+
+def _pinned(st: dict[str, Any]) -> int:
+    return int(st.get("tiers", {}).get("memory", {}).get("pinned_slots", 0))
+
+
+def _report(
+    per_round: list[dict[str, float]], args: argparse.Namespace, invalid: list[str], hpkv: Server
+) -> dict[str, Any]:
+    h = [m["hpkv"] for m in per_round]
+    n = [m["none"] for m in per_round]
+    ratios = [a / b for a, b in zip(h, n, strict=True)]
+    mh, mn = statistics.median(h), statistics.median(n)
+    tiers = ",".join(sorted(t for t in hpkv.settled_stats().get("tiers", {}) if "." not in t))
+    lines = [
+        "",
+        f"hpkv bench cold: {args.rounds} rounds x {args.prompts} fresh prompts x {args.tokens} tokens per "
+        f"system, interleaved (order alternating); hpkv stores to {tiers}",
+        f"  vLLM + hpkv : median {mh:.3f} s  (round medians {min(h):.3f}-{max(h):.3f})",
+        f"  vLLM alone  : median {mn:.3f} s  (round medians {min(n):.3f}-{max(n):.3f})",
+        f"  hpkv / none : {mh / mn:.3f}x of the medians; per round {min(ratios):.3f}-{max(ratios):.3f}x "
+        f"(median {statistics.median(ratios):.3f}x)",
+    ]
+    lines += [f"  INVALID {x}" for x in invalid]
+    return {
+        "text": "\n".join(lines),
+        "hpkv_median_s": mh,
+        "none_median_s": mn,
+        "ratio_of_medians": mh / mn,
+        "round_ratios": ratios,
+        "per_round": per_round,
+        "invalid": invalid,
+    }

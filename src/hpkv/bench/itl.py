@@ -1,0 +1,210 @@
+"""``hpkv bench itl``: does a running decode slow down while another request loads from a slow tier?
+
+One vLLM server with hpkv (memory + storage + an embedded valkey-server). A decoding request D (a
+short prompt, ``--decode-tokens`` tokens, streamed) runs alone, then again while a second request P
+(``--tokens`` tokens) arrives: P is served from the storage tier with its files dropped from the page
+cache, from valkey (the server restarted without its storage tier), or computed from scratch (a fresh
+prompt: the reference of what recomputing costs D). Reported per case: D's inter-token latency
+(p50, p99, max) over the tokens it produced while P was in flight, P's TTFT, and the counters proving
+where P came from. The engine's own prefix cache and hpkv's memory are emptied before each case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+from hpkv.bench.cold import fresh_prompts
+from hpkv.bench.refs import drop_page_cache
+from hpkv.bench.server import Server, counter
+from hpkv.bench.ttft import model_dtype
+
+CHUNK = 256
+
+
+def stream_times(server: Server, prompt: str, n: int, times: list[float]) -> None:
+    """Append to ``times``, as they arrive, the arrival times (perf_counter) of each streamed token of
+    a greedy completion of ``n`` tokens."""
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": n,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
+    try:
+        conn.request(
+            "POST", "/v1/completions", json.dumps(body).encode(), {"content-type": "application/json"}
+        )
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"/v1/completions answered {r.status}: {r.read()[:300]!r}")
+        for line in r:
+            if line.startswith(b"data: ") and not line.startswith(b"data: [DONE]"):
+                times.append(time.perf_counter())
+    finally:
+        conn.close()
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
+
+
+def run_case(server: Server, decode: str, n: int, load: str | None, after: int) -> dict[str, Any]:
+    """D alone (``load`` None) or with P sent once D has produced ``after`` tokens."""
+    window: list[float] = []
+    ttft: list[float] = []
+    times: list[float] = []
+    t = threading.Thread(target=stream_times, args=(server, decode, n, times))
+    t.start()
+    if load is not None:
+        while len(times) < after and t.is_alive():  # stream_times appends as tokens arrive
+            time.sleep(0.002)
+        t0 = time.perf_counter()
+        ttft.append(server.complete(load, max_tokens=1)[0])
+        window = [t0, time.perf_counter()]
+    t.join()
+    gaps = [(b - a, b) for a, b in itertools.pairwise(times)]
+    inside = [g for g, at in gaps if window and window[0] <= at <= window[1] + 0.001] if window else []
+    alone = [g for g, _ in gaps[after:]] if not window else []
+    use = inside if window else alone
+    return {
+        "itl_p50_ms": 1e3 * pct(use, 0.5),
+        "itl_p99_ms": 1e3 * pct(use, 0.99),
+        "itl_max_ms": 1e3 * max(use) if use else float("nan"),
+        "tokens_in_window": len(use),
+        "load_ttft_s": ttft[0] if ttft else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hpkv bench itl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="model directory (default: build the demo model)")
+    ap.add_argument("--tokens", type=int, default=8192, help="tokens of the loading request")
+    ap.add_argument("--decode-tokens", type=int, default=400)
+    ap.add_argument("--repeat", type=int, default=3, help="times each case runs (a fresh P each time)")
+    ap.add_argument("--port", type=int, default=8371)
+    ap.add_argument("--out", default="out/bench-itl")
+    ap.add_argument("--vllm-args", default="--enforce-eager")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model
+    if model is None:
+        model = os.path.join(args.out, "demo-model-small")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            from hpkv.cli.demo_model import write_demo_model
+
+            write_demo_model(model, "small")
+    from hpkv.bench.valkey import ValkeyServers
+
+    work = tempfile.mkdtemp(prefix="hpkv-bench-itl-")
+    shm = tempfile.mkdtemp(prefix="hpkv-bench-itl-", dir="/dev/shm")
+    storage = os.path.join(work, "storage")
+    valkey = ValkeyServers(directory=os.path.join(work, "valkey")).start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+    cpus = sorted(os.sched_getaffinity(0))
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")
+    env.update(
+        HPKV_KV_MEM_POOL_SIZE="2G",
+        HPKV_SHARE_MEM_FILE_PATH=shm,
+        HPKV_KV_STORAGE_PATH=storage,
+        HPKV_REMOTE_URL=valkey.url,
+        VLLM_SERVER_DEV_MODE="1",
+    )
+    vargs = ["--max-model-len", str(max(args.tokens + 64, 2048)), "--max-num-batched-tokens", "2048"]
+    vargs += ["--dtype", model_dtype(model), *args.vllm_args.split()]
+    s = Server(model, args.port, env, os.path.join(args.out, "vllm-hpkv.log"), vllm_args=vargs)
+    decode = fresh_prompts(model, 1, 64, seed=7_000)[0]
+    loads = fresh_prompts(model, 2 * args.repeat, args.tokens, seed=7_001)
+    fresh = fresh_prompts(model, args.repeat, args.tokens, seed=7_002)
+    after = 20
+    results: dict[str, list[dict[str, Any]]] = {"alone": [], "prefill": [], "storage": [], "valkey": []}
+    proofs: dict[str, list[str]] = {k: [] for k in results}
+    try:
+        s.start()
+        for p in loads:  # stored to memory, storage and valkey
+            s.complete(p)
+        _settled(s)
+
+        def reset() -> None:
+            s.reset_prefix_cache(external=True)
+
+        for i in range(args.repeat):
+            reset()
+            results["alone"].append(run_case(s, decode, args.decode_tokens, None, after))
+            reset()
+            results["prefill"].append(run_case(s, decode, args.decode_tokens, fresh[i], after))
+            reset()
+            drop_page_cache(storage)
+            before = s.settled_stats()
+            results["storage"].append(run_case(s, decode, args.decode_tokens, loads[i], after))
+            st = s.settled_stats()
+
+            def d(tier: str, name: str) -> int:
+                return counter(st, tier, name) - counter(before, tier, name)  # noqa: B023
+
+            proofs["storage"].append(
+                f"storage hits {d('storage', 'hits')}, page-cache reads {d('storage', 'page_cache_reads')}"
+            )
+        # Valkey: the same server without its storage tier (memory empty after the restart).
+        s.stop()
+        s.env.pop("HPKV_KV_STORAGE_PATH")
+        s.start()
+        for i in range(args.repeat):
+            reset()
+            before = s.settled_stats()
+            results["valkey"].append(run_case(s, decode, args.decode_tokens, loads[args.repeat + i], after))
+            st = s.settled_stats()
+            proofs["valkey"].append(
+                f"valkey hits {counter(st, 'valkey', 'hits') - counter(before, 'valkey', 'hits')}"
+            )
+    finally:
+        s.stop()
+        valkey.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+    chunks = args.tokens // CHUNK
+    print()
+    print(
+        f"hpkv bench itl: decode of {args.decode_tokens} tokens, a {args.tokens}-token request arriving "
+        f"after {after}; {args.repeat} runs per case; medians over runs (each run: D's gaps while P "
+        "was in flight)"
+    )
+    print(f"{'case':10} {'ITL p50':>9} {'ITL p99':>9} {'ITL max':>9} {'P TTFT':>8}  tokens  proof")
+    for case, rs in results.items():
+        med = {k: statistics.median([r[k] for r in rs]) for k in ("itl_p50_ms", "itl_p99_ms", "itl_max_ms")}
+        tt = [r["load_ttft_s"] for r in rs if r["load_ttft_s"] is not None]
+        ttft = statistics.median(tt) if tt else float("nan")
+        n = sum(r["tokens_in_window"] for r in rs)
+        print(
+            f"{case:10} {med['itl_p50_ms']:8.1f}ms {med['itl_p99_ms']:8.1f}ms {med['itl_max_ms']:8.1f}ms "
+            f"{ttft:7.3f}s  {n:6}  " + "; ".join(proofs[case])
+        )
+    print(f"(a load from a tier is proven by {chunks} hits per run)")
+    with open(os.path.join(args.out, "itl.json"), "w") as f:
+        json.dump({"results": results, "proofs": proofs}, f, indent=1)
+    return 0
+
+
+def _settled(s: Server) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        st = s.settled_stats()
+        mem = st.get("tiers", {}).get("memory", {})
+        if not mem.get("cascade_pending", 0) and not mem.get("pinned_slots", 0):
+            return
+        time.sleep(0.05)
