@@ -66,8 +66,8 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         reading, release = threading.Event(), threading.Event()
         real = cat.storage[0].read_into
 
-        def held(key: bytes, buf: memoryview) -> bool:
-            ok = real(key, buf)
+        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> bool:
+            ok = real(key, buf, tenant)
             reading.set()
             release.wait(10)
             return ok

@@ -42,8 +42,8 @@ def test_no_wrong_byte_under_random_damage(make_store: StoreFactory, valkey_serv
     def damage() -> None:
         p, c = rng.randrange(PROMPTS), rng.randrange(CHUNKS)
         key = keys[p][c]
-        path = store.storage.path(key)  # type: ignore[union-attr]
-        name = store.valkey.key_name(key)  # type: ignore[union-attr]
+        path = store.storage.path(store.record_key(key))
+        name = store.valkey.key_name(store.record_key(key))
         what = rng.choice(["flip", "truncate", "swap", "unlink", "foreign"])
         try:
             if what == "flip" and os.path.exists(path):
@@ -65,13 +65,13 @@ def test_no_wrong_byte_under_random_damage(make_store: StoreFactory, valkey_serv
             elif what in ("swap", "foreign"):
                 other = keys[rng.randrange(PROMPTS)][rng.randrange(CHUNKS)]
                 if other != key:
-                    o_path = store.storage.path(other)  # type: ignore[union-attr]
+                    o_path = store.storage.path(store.record_key(other))
                     if os.path.exists(o_path):
                         with open(o_path, "rb") as f:
                             data = f.read()
                         with open(path, "wb") as f:
                             f.write(data)
-                    v = adm.command("GET", store.valkey.key_name(other))  # type: ignore[union-attr]
+                    v = adm.command("GET", store.valkey.key_name(store.record_key(other)))
                     if v:
                         adm.command("SET", name, v)
             elif what == "unlink":

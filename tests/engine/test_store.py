@@ -115,7 +115,7 @@ def test_corrupt_chunk_cuts_the_result_at_the_verified_prefix(make_store: StoreF
     a.put(toks, kv)
     a.flush()
     assert a.storage is not None
-    path = a.storage.path(a.keys(toks)[2])
+    path = a.storage.path(a.record_key(a.keys(toks)[2]))
     with open(path, "r+b") as f:
         f.seek(-10, os.SEEK_END)
         b = f.read(1)
@@ -179,7 +179,7 @@ def test_clear_and_context_manager(shm_dir: str, storage_dir: str) -> None:
         assert s.locate(toks) == ["storage", "storage"]
         s.clear()
         assert s.lookup(toks) == 0
-        pool_path = s.memory.pool.path if s.memory else ""
+        pool_path = s.pool.path if s.pool else ""
     assert not os.path.exists(pool_path)
 
 

@@ -159,10 +159,10 @@ class Gate:
         tier = sim.cat.storage[0]
         real = tier.read_into
 
-        def held(key: bytes, buf: memoryview) -> bool:
+        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> bool:
             self.reading.set()
             self.release.wait(20)
-            return real(key, buf)
+            return real(key, buf, tenant)
 
         monkeypatch.setattr(tier, "read_into", held)
 

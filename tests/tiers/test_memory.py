@@ -12,31 +12,26 @@ import torch
 
 from hpkv import HpkvConfigError
 from hpkv.core import record
-from hpkv.tiers.memory import MemoryTier
-from hpkv.tiers.memory.pool import ShmPool, pool_file_path, reclaim_stale
+from hpkv.tiers.memory.pool import ShmPool, pool_file_path, reclaim_stale, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
-
-NS = b"n" * 16
-PAYLOAD = 10_000
+from tests.conftest import CHUNK, SMALL, bits_equal, random_tokens
 
 
 def k(i: int) -> bytes:
     return i.to_bytes(16, "little")
 
 
-def make_tier(shm_dir: str, slots: int) -> MemoryTier:
-    slot_bytes = -(-record.record_bytes(PAYLOAD) // 4096) * 4096
-    pool = ShmPool(pool_file_path(shm_dir, "t"), slots * slot_bytes)
-    return MemoryTier(pool, PAYLOAD, NS)
+def slots_store(make_store: Any, slots: int) -> Any:
+    """A memory-only store whose pool holds exactly ``slots`` chunks."""
+    per = slot_bytes(record.record_bytes(SMALL.chunk_bytes(CHUNK)))
+    return make_store(mem_pool_size=str(slots * per), storage_path=None)
 
 
-def put(tier: MemoryTier, key: bytes, fill: int) -> bool:
-    ref = tier.reserve(key)
-    if ref is None:
-        return False
-    ref.payload.fill_(fill)
-    tier.commit(ref)
-    return True
+def chunk(i: int) -> tuple[list[int], torch.Tensor]:
+    """One chunk's tokens and KV (every byte ``i``)."""
+    return random_tokens(CHUNK, seed=500 + i), torch.full(
+        (SMALL.num_layers, 2, CHUNK, SMALL.num_kv_heads, SMALL.head_dim), float(i), dtype=SMALL.dtype
+    )
 
 
 def test_slot_index_lru_and_pins() -> None:
@@ -70,61 +65,53 @@ def test_slot_index_remove_while_pinned_frees_on_unpin() -> None:
     idx.check()
 
 
-def test_pool_file_mode_and_removal(shm_dir: str) -> None:
-    tier = make_tier(shm_dir, 4)
-    path = tier.pool.path
+def test_pool_file_mode_and_removal(make_store: Any) -> None:
+    st = slots_store(make_store, 4)
+    path = st.pool.path
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-    assert os.stat(path).st_blocks * 512 >= tier.pool.size  # space allocated up front
-    tier.close()
+    assert os.stat(path).st_blocks * 512 >= st.pool.size  # space allocated up front
+    st.close()
     assert not os.path.exists(path)
 
 
-def test_round_trip_and_eviction(shm_dir: str) -> None:
-    tier = make_tier(shm_dir, 3)
-    try:
-        for i in range(5):
-            assert put(tier, k(i), i)
-        assert [tier.contains(k(i)) for i in range(5)] == [False, False, True, True, True]
-        ref = tier.acquire(k(3))
-        assert ref is not None and bool((ref.payload == 3).all())
-        tier.release(ref)
-        s = tier.stats()
-        assert s["evictions"] == 2 and s["hits"] == 1 and s["chunks"] == 3
-        tier.check()
-    finally:
-        tier.close()
+def test_round_trip_and_eviction(make_store: Any) -> None:
+    st = slots_store(make_store, 3)
+    chunks = [chunk(i) for i in range(5)]
+    for toks, kv in chunks:
+        assert st.put(toks, kv) == CHUNK
+    assert [st.lookup(toks) for toks, _ in chunks] == [0, 0, CHUNK, CHUNK, CHUNK]
+    toks, kv = chunks[3]
+    assert bits_equal(st.get(toks), kv)
+    s = st.stats()["memory"]
+    assert s["evictions"] == 2 and s["hits"] == 1 and s["chunks"] == 3
+    st.check()
 
 
-def test_full_of_pinned_slots_skips_the_write(shm_dir: str) -> None:
-    tier = make_tier(shm_dir, 2)
-    try:
-        put(tier, k(0), 0)
-        put(tier, k(1), 1)
-        refs = [tier.acquire(k(0)), tier.acquire(k(1))]
-        assert not put(tier, k(2), 2)
-        assert tier.stats()["writes_skipped"] == 1
-        for r in refs:
-            assert r is not None
-            tier.release(r)
-        assert put(tier, k(2), 2)
-        tier.check()
-    finally:
-        tier.close()
+def test_full_of_pinned_slots_skips_the_write(make_store: Any) -> None:
+    st = slots_store(make_store, 2)
+    chunks = [chunk(i) for i in range(3)]
+    for toks, kv in chunks[:2]:
+        st.put(toks, kv)
+    slots = st.engine.pin([st.keys(chunks[0][0])[0]]) + st.engine.pin([st.keys(chunks[1][0])[0]])
+    assert len(slots) == 2  # both being read
+    assert st.put(*chunks[2]) == 0  # no room, no waiting
+    assert st.stats()["memory"]["writes_skipped"] == 1
+    st.engine.unpin(slots)
+    assert st.put(*chunks[2]) == CHUNK
+    st.check()
 
 
-def test_corrupt_header_in_slot_is_a_miss(shm_dir: str) -> None:
-    tier = make_tier(shm_dir, 2)
-    try:
-        put(tier, k(0), 7)
-        ref = tier.acquire(k(0))
-        assert ref is not None
-        ref.record[0] ^= 0xFF  # someone scribbled on the shared file
-        tier.release(ref)
-        assert tier.acquire(k(0)) is None
-        assert tier.stats()["corrupt"] == 1
-        assert not tier.contains(k(0))
-    finally:
-        tier.close()
+def test_corrupt_header_in_slot_is_a_miss(make_store: Any) -> None:
+    st = slots_store(make_store, 2)
+    toks, kv = chunk(7)
+    st.put(toks, kv)
+    [slot] = st.engine.pin(st.keys(toks))
+    st.engine.unpin([slot])
+    st.pool.view[slot * st.engine.slot_bytes] ^= 0xFF  # someone scribbled on the shared file
+    assert st.get(toks).shape[2] == 0
+    assert st.stats()["memory"]["corrupt"] == 1
+    assert st.lookup(toks) == 0  # forgotten
+    st.check()
 
 
 def test_stale_pool_file_of_dead_process_is_reclaimed(shm_dir: str) -> None:
@@ -142,14 +129,11 @@ def test_stale_pool_file_of_dead_process_is_reclaimed(shm_dir: str) -> None:
     assert not os.path.exists(stale)
 
 
-def test_live_pool_file_is_not_reclaimed(shm_dir: str) -> None:
-    tier = make_tier(shm_dir, 1)
-    try:
-        other = make_tier(shm_dir, 1)  # a second start in the same directory
-        assert os.path.exists(tier.pool.path)
-        other.close()
-    finally:
-        tier.close()
+def test_live_pool_file_is_not_reclaimed(make_store: Any) -> None:
+    first = slots_store(make_store, 1)
+    other = slots_store(make_store, 1)  # a second start in the same directory
+    assert os.path.exists(first.pool.path)
+    other.close()
 
 
 def test_pool_larger_than_tmpfs_is_a_config_error(shm_dir: str) -> None:
@@ -178,18 +162,19 @@ def test_unwritable_pool_directory(tmp_path: object) -> None:
         ShmPool(pool_file_path(os.path.join(blocker, "pool"), "t"), 1 << 20)
 
 
-def test_payload_views_share_the_mapping(shm_dir: str) -> None:
-    tier = make_tier(shm_dir, 2)
-    try:
-        ref = tier.reserve(k(9))
-        assert ref is not None
-        ref.payload.copy_(torch.arange(PAYLOAD, dtype=torch.int64).to(torch.uint8))
-        tier.commit(ref)
-        with open(tier.pool.path, "rb") as f:
-            f.seek(record.HEADER_BYTES)
-            assert f.read(16) == bytes(range(16))
-    finally:
-        tier.close()
+def test_payload_views_share_the_mapping(make_store: Any) -> None:
+    st = slots_store(make_store, 2)
+    toks = random_tokens(CHUNK, seed=9)
+
+    def produce(i: int, payload: torch.Tensor) -> None:
+        payload.copy_(torch.arange(payload.numel(), dtype=torch.int64).to(torch.uint8))
+
+    assert st.store_chunks(st.keys(toks), produce) == 1
+    [slot] = st.engine.pin(st.keys(toks))
+    st.engine.unpin([slot])
+    with open(st.pool.path, "rb") as f:  # written through the payload view, seen in the file
+        f.seek(slot * st.engine.slot_bytes + record.HEADER_BYTES)
+        assert f.read(16) == bytes(range(16))
 
 
 def test_reserve_never_evicts_protected_keys() -> None:
@@ -259,9 +244,9 @@ def test_a_flipped_byte_in_a_pool_slots_header_is_a_miss(make_store: Any) -> Non
     toks = random_tokens(2 * CHUNK, seed=61)
     kv = random_kv(SMALL, len(toks), seed=61)
     s.put(toks, kv)
-    assert s.memory is not None
-    view = s.memory.pool.view
-    for off in range(0, len(view), s.memory.slot_bytes):
+    assert s.pool is not None
+    view = s.pool.view
+    for off in range(0, len(view), s.engine.slot_bytes):
         if bytes(view[off : off + 4]) == record.MAGIC:
             view[off + 30] ^= 0xFF  # inside the key field
             break

@@ -37,7 +37,7 @@ def wait_for(pred: Any, timeout: float = 20.0) -> None:
 
 
 @pytest.mark.parametrize("which", ["standalone", "cluster"])
-def test_round_trip_valkey_only_one_get_per_chunk(
+def test_round_trip_valkey_only_one_exists_and_one_get_per_chunk(
     make_store: StoreFactory, valkey_server: ValkeyServers, valkey_cluster: ValkeyServers, which: str
 ) -> None:
     srv = valkey_server if which == "standalone" else valkey_cluster
@@ -51,7 +51,8 @@ def test_round_trip_valkey_only_one_get_per_chunk(
     assert a.locate(toks) == ["valkey"] * 12
     hits = srv.keyspace_hits()
     out = a.get(toks)
-    assert srv.keyspace_hits() - hits == 12  # exactly one GET per chunk, summed over every primary
+    # The lookup's one batched EXISTS and one GET per chunk, summed over every primary.
+    assert srv.keyspace_hits() - hits == 2 * 12
     assert bits_equal(out, kv[:, :, : 12 * CHUNK])
     st = a.stats()["valkey"]
     assert st["hits"] == 12 and st["writes"] == 12 and st["connected"] == 1
@@ -72,7 +73,7 @@ def test_mixed_hit_memory_storage_valkey(make_store: StoreFactory, valkey_server
     a.flush()
     assert a.storage is not None
     for k in a.keys(toks)[6:]:  # storage loses the tail; valkey still has it
-        a.storage.delete(k)
+        a.storage.delete(a.record_key(k))
     a.close()
     b = make_store(model_id="mixed", **cfg)
     b.get(toks[: 3 * CHUNK])  # promoted into memory
@@ -81,7 +82,7 @@ def test_mixed_hit_memory_storage_valkey(make_store: StoreFactory, valkey_server
     hits = valkey_server.keyspace_hits()
     assert bits_equal(b.get(toks), kv)
     after = b.stats()
-    assert valkey_server.keyspace_hits() - hits == 4
+    assert valkey_server.keyspace_hits() - hits == 2 * 4  # EXISTS for the 4 local gaps, then 4 GETs
     for tier, n in (("memory", 3), ("storage", 3), ("valkey", 4)):
         assert after[tier]["hits"] - before[tier]["hits"] == n, tier
     assert b.locate(toks) == ["memory"] * 10  # every slower hit was promoted
@@ -96,7 +97,8 @@ def test_ttl_only_when_enabled(make_store: StoreFactory, valkey_server: ValkeySe
         s.put(toks, kv)
         s.flush()
         assert s.valkey is not None
-        ttls = [valkey_server.admin().command("TTL", s.valkey.key_name(k)) for k in s.keys(toks)]
+        names = [s.valkey.key_name(s.record_key(k)) for k in s.keys(toks)]
+        ttls = [valkey_server.admin().command("TTL", n) for n in names]
         if enabled:
             assert all(0 < t <= 300 for t in ttls), ttls
         else:
@@ -113,7 +115,7 @@ def test_bad_values_are_misses(make_store: StoreFactory, valkey_server: ValkeySe
     s.flush()
     assert s.lookup(toks) == 4 * CHUNK
     assert s.valkey is not None
-    name = s.valkey.key_name(s.keys(toks)[2])
+    name = s.valkey.key_name(s.record_key(s.keys(toks)[2]))
     adm = valkey_server.admin()
     value = adm.command("GET", name)
     if damage == "truncated":
@@ -125,7 +127,8 @@ def test_bad_values_are_misses(make_store: StoreFactory, valkey_server: ValkeySe
     elif damage == "foreign_namespace":
         # Another model/layout wrote under the same key name: a well-formed record, wrong namespace.
         other = bytearray(value)
-        record.seal(memoryview(other), b"\x01" * 16, s.keys(toks)[2], len(value) - record.HEADER_BYTES)
+        rk = s.record_key(s.keys(toks)[2])
+        record.seal(memoryview(other), b"\x01" * 16, rk, len(value) - record.HEADER_BYTES)
         adm.command("SET", name, bytes(other))
     else:
         adm.command("DEL", name)  # evicted or expired between lookup and load
@@ -217,7 +220,7 @@ def test_tls_with_a_self_signed_ca(make_store: StoreFactory, tmp_path: Any) -> N
         s.flush()
         hits = srv.keyspace_hits()
         assert bits_equal(s.get(toks), kv)
-        assert srv.keyspace_hits() - hits == 3
+        assert srv.keyspace_hits() - hits == 2 * 3  # EXISTS + GET per chunk
         # Without our CA the certificate cannot be verified: degraded (misses), not a crash.
         plain = make_store(model_id="tls", **remote(srv, connection_timeout=1.0))
         assert plain.stats()["valkey"]["connected"] == 0
@@ -498,8 +501,9 @@ def test_a_forged_record_on_valkey_is_served_only_without_an_auth_key(
                 )
                 buf = bytearray(record.record_bytes(store.payload_bytes))
                 buf[record.HEADER_BYTES :] = payload.numpy().tobytes()
-                record.seal(memoryview(buf), store.namespace.digest, key, store.payload_bytes)
-                valkey_server.admin().command("SET", store.valkey.key_name(key), bytes(buf))
+                rk = store.record_key(key)
+                record.seal(memoryview(buf), store.namespace.digest, rk, store.payload_bytes)
+                valkey_server.admin().command("SET", store.valkey.key_name(rk), bytes(buf))
         finally:
             rec_mod._auth_key = key_auth
 
@@ -534,8 +538,8 @@ def test_close_unmaps_the_pool_after_a_remote_read(
     a.flush()
     b = make_store(model_id="unmap", **remote(valkey_server, mem_pool_size="256M"))
     assert bits_equal(b.get(toks), kv) and b.stats()["valkey"]["hits"] == 4
-    assert b.memory is not None
-    name = os.path.basename(b.memory.pool.path)
+    assert b.pool is not None
+    name = os.path.basename(b.pool.path)
     b.close()
     with open("/proc/self/maps") as f:
         assert name not in f.read()

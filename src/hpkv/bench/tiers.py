@@ -174,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                     s.flush()
                     t_write = time.perf_counter() - t0
                 assert s.storage is not None
-                paths = [s.storage.path(k) for k in s.keys(toks)]
+                paths = [s.storage.path(s.record_key(k)) for k in s.keys(toks)]
                 if label == "device":
                     direct = bool(s.storage.stats()["o_direct"])
-                size = s._buf_bytes
+                size = s.engine.slot_bytes
                 prealloc = torch.empty_like(kv)
                 prealloc.fill_(0)
                 cold = label == "device"

@@ -101,7 +101,11 @@ def _run(nodes: tuple[tuple[str, int], ...], chunks: int, repeat: int, workers: 
         callers = ThreadPoolExecutor(n)
 
         def ours(t: ValkeyTier = t, callers: ThreadPoolExecutor = callers) -> None:
-            ok = list(callers.map(lambda i: t.read_into(keys[i], bufs[i], Priority.PREFETCH), range(chunks)))
+            ok = list(
+                callers.map(
+                    lambda i: t.read_into(keys[i], bufs[i], priority=Priority.PREFETCH), range(chunks)
+                )
+            )
             assert all(ok), "a tier read failed"
 
         ours()  # connect the workers' clients

@@ -1,48 +1,47 @@
-"""The catalog: what is cached where, for every tensor-parallel rank of one engine.
+"""The engine: what is cached where, and every move between tiers, for whichever engine hpkv serves.
 
-Runs in the process that decides (vLLM's scheduler). It owns one slot index
-for all ranks (slot s holds chunk k in every rank's pool file, each rank's own
-shard under its own record key), the pool files themselves, and the storage
-tier of each rank. Workers only copy between pool slots and the engine's KV.
+One instance per serving process: vLLM's scheduler (all tensor-parallel ranks of the engine), a
+library user's :class:`hpkv.KVStore` (one rank), SGLang's storage backend. It owns one slot index
+for the memory pools of the ranks it serves (slot s holds chunk k in every rank's pool file, each
+rank's own shard under its own record key), the pool files, and one instance per rank of every
+slower tier the configuration names (built through :mod:`hpkv.tiers.base`'s registry, so adding a
+tier touches no code here). Memory is the staging area: a chunk is read from a slower tier into a
+reserved slot, verified on every rank, and only then becomes visible.
 
-All slow tier I/O runs here on background threads:
+* **lookup**: memory and the local tiers (storage) are asked per key; the remote tiers (valkey)
+  once per lookup, in one pipelined round trip per rank (:meth:`probe_remote` runs it on a thread
+  for callers that must not wait); a hit ends at the first chunk no tier holds;
+* **promote** (a slower tier -> memory): into a reserved slot, verified on every rank; a chunk that
+  fails on any rank is not promoted, so a failure is a shorter hit, never bad data. Chunks a lookup
+  is about to use are protected from eviction until it pins them;
+* **cascade** (memory -> slower tiers): a new chunk is written from its slot (or, without a memory
+  tier, from a private buffer) to each rank's slower tiers through a bounded queue; when the queue
+  is full the write is dropped and counted, never blocking the caller.
 
-* **promote** (storage or valkey -> memory): before a storage hit is reported to the
-  engine, its chunks are read into reserved slots and verified on every rank;
-  a chunk that fails on any rank is simply not promoted, so a failure becomes
-  a shorter hit, never bad data handed to a worker;
-* **cascade** (memory -> storage, valkey): a newly stored chunk is written
-  from its slot to each rank's storage and valkey shard through a bounded
-  queue; when the queue is full the write is dropped and counted, never
-  blocking the scheduler.
-
-Valkey is the slowest tier: a chunk there is promoted (GET straight into the
-pool slot, verified) exactly like a storage chunk. Existence checks for a
-prompt are one pipelined round trip per rank.
-
-Thread-safety: public methods may be called from any thread; the slot index
-is guarded by one lock and no method holds it across I/O.
+Thread-safety: public methods may be called from any thread; the slot index is guarded by one lock
+and no method holds it across I/O.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import queue
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
 
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.core.stats import TierStats
-from hpkv.engine.cascade import WriteTarget
-from hpkv.tiers.disk import StorageTier
+from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
-from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
-from hpkv.tiers.valkey.workers import Priority
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +49,28 @@ MEMORY = "memory"
 STORAGE = "storage"
 VALKEY = "valkey"
 
+# consume(chunk_index, payload) reads a verified payload (uint8, canonical layout, this rank's);
+# produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep ``payload``.
+Consume = Callable[[int, torch.Tensor], None]
+Produce = Callable[[int, torch.Tensor], None]
+# What the cascade writes from: a pool slot (every rank's), or one rank's private sealed record.
+Source = int | bytearray
+
 
 class Catalog:
-    def __init__(self, config: HpkvConfig, namespace: Namespace) -> None:
+    def __init__(self, config: HpkvConfig, namespace: Namespace, ranks: Sequence[int] | None = None) -> None:
+        """``ranks``: the tensor-parallel ranks this process serves (default: all of ``namespace``'s);
+        index ``i`` of every per-rank list here is rank ``ranks[i]``."""
         record.set_auth_key(config.auth_key_bytes)
         self.config = config
         self.chunk_size = config.chunk_size
         self.world_size = namespace.world_size
-        self.namespaces = [namespace.for_rank(r) for r in range(self.world_size)]
+        self.ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        if not self.ranks or any(not 0 <= r < self.world_size for r in self.ranks):
+            raise HpkvConfigError(
+                f"ranks={self.ranks} must be in [0, world_size={self.world_size}); use e.g. rank=0"
+            )
+        self.namespaces = [namespace.for_rank(r) for r in self.ranks]
         self.rank_digests = [n.digest for n in self.namespaces]
         self.logical_digest = namespace.logical_digest
         self.payload_bytes = namespace.layout.chunk_bytes(self.chunk_size)
@@ -66,9 +79,8 @@ class Catalog:
         self._lock = threading.Lock()
         self._mem_stats = TierStats()
         self.pools: list[ShmPool] = []
-        self.storage: list[StorageTier] = []
-        self.valkey: list[ValkeyTier] = []
-        self._remote: ValkeyConnection | None = None
+        self.tiers: dict[str, list[Tier]] = {}  # name -> one per rank, fastest first
+        self._closers: list[Callable[[], None]] = []
         num_slots = 0
         try:
             if config.mem_pool_size > 0:
@@ -80,11 +92,10 @@ class Catalog:
                     config.example("mem_pool_size"),
                 )
                 tag = self.logical_digest.hex()[:6]
-                for r in range(self.world_size):
-                    path = pool_file_path(config.share_mem_file_path, f"{tag}r{r}")
+                for r in self.ranks:
                     self.pools.append(
                         ShmPool(
-                            path,
+                            pool_file_path(config.share_mem_file_path, f"{tag}r{r}"),
                             config.mem_pool_size,
                             where=config.where("mem_pool_size"),
                             path_where=config.where("share_mem_file_path"),
@@ -92,25 +103,13 @@ class Catalog:
                         )
                     )
                 num_slots = config.mem_pool_size // self.slot_bytes
-            root = config.resolved_storage_path
-            if root is not None:
-                for r in range(self.world_size):
-                    self.storage.append(
-                        StorageTier(
-                            root,
-                            config.storage_size,
-                            self.payload_bytes,
-                            self.rank_digests[r],
-                            o_direct=config.storage_o_direct,
-                            where=config.where("storage_path"),
-                            shared_group=config.shared_group,
-                        )
-                    )
-            remote = ValkeySettings.from_config(config)
-            if remote is not None:
-                self._remote = ValkeyConnection(remote)
-                self.valkey = [ValkeyTier(self._remote, self.payload_bytes, d) for d in self.rank_digests]
+            for name in TIERS:
+                built = builder(name)(config, self.payload_bytes, self.rank_digests)
+                if built is not None:
+                    self.tiers[name] = built.per_rank
+                    self._closers.append(built.close)
         except BaseException:
+            self._close_tiers()
             for p in self.pools:
                 p.close()
             raise
@@ -124,16 +123,43 @@ class Catalog:
         # Chunks of lookups in progress: no reserve (promotion or store) may evict them before
         # the lookup pins them, so a long prompt's promotions never evict its own head.
         self._protected: dict[bytes, int] = {}
-        # Promotions from valkey wait on the network: give them as many threads as valkey workers.
-        threads = max(config.storage_io_threads, config.valkey_num_workers if self.valkey else 0)
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-promote")
-        self._cascade: queue.Queue[tuple[bytes, int, str] | None] = queue.Queue(
+        # Promotions from a remote tier wait on the network: as many threads as its workers.
+        threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io")
+        self._scratch = threading.local()
+        self._cascade: queue.Queue[tuple[bytes, Source, str] | None] = queue.Queue(
             maxsize=max(config.cascade_queue_chunks, 1)
         )
-        self._cascade_off = config.cascade_queue_chunks == 0 or not (self.storage or self.valkey)
+        self._cascade_off = config.cascade_queue_chunks == 0 or not self.tiers
         self._cascade_thread = threading.Thread(target=self._run_cascade, name="hpkv-cascade", daemon=True)
         self._cascade_thread.start()
         self._closed = False
+
+    # -- tiers ------------------------------------------------------------------------
+
+    @property
+    def storage(self) -> list[Tier]:
+        return self.tiers.get(STORAGE, [])
+
+    @property
+    def valkey(self) -> list[Tier]:
+        return self.tiers.get(VALKEY, [])
+
+    @property
+    def has_remote(self) -> bool:
+        return any(ts[0].remote for ts in self.tiers.values())
+
+    def tier_names(self) -> list[str]:
+        return ([MEMORY] if self.pools else []) + list(self.tiers)
+
+    def _local_tiers(self) -> list[tuple[str, list[Tier]]]:
+        return [(n, ts) for n, ts in self.tiers.items() if not ts[0].remote]
+
+    def _remote_tiers(self) -> list[tuple[str, list[Tier]]]:
+        return [(n, ts) for n, ts in self.tiers.items() if ts[0].remote]
+
+    def _slow_of_rank(self, i: int) -> list[Tier]:
+        return [ts[i] for ts in self.tiers.values()]
 
     # -- keys ---------------------------------------------------------------------
 
@@ -148,8 +174,9 @@ class Catalog:
         beyond its tokens, see :mod:`hpkv.core.keys`)."""
         return chunk_keys(seed or self.logical_digest, tokens, self.chunk_size, limit, extras)
 
-    def record_key(self, rank: int, lk: bytes) -> bytes:
-        return record_key(self.rank_digests[rank], lk)
+    def record_key(self, i: int, lk: bytes) -> bytes:
+        """The record key of ``lk`` for the rank at index ``i`` of :attr:`ranks`."""
+        return record_key(self.rank_digests[i], lk)
 
     def unlink_pool_files(self) -> None:
         """Remove the pool files' names once every process that needs them has mapped them; the
@@ -167,70 +194,77 @@ class Catalog:
         with self._lock:
             return lk in self._index
 
+    def held_locally(self, lk: bytes, tenant: str = SHARED) -> str | None:
+        """The first local tier (no network) that holds every rank's shard of ``lk``, or None."""
+        for name, ts in self._local_tiers():
+            if all(t.contains_many([self.record_key(i, lk)], tenant)[0] for i, t in enumerate(ts)):
+                return name
+        return None
+
     def in_storage(self, lk: bytes) -> bool:
-        """True if every rank's storage holds its shard of ``lk``."""
-        return bool(self.storage) and all(
-            t.contains(self.record_key(r, lk)) for r, t in enumerate(self.storage)
-        )
+        return self.held_locally(lk) is not None
 
-    def in_valkey_many(self, lks: list[bytes], tenant: str = SHARED) -> list[bool]:
-        """Which of ``lks`` every rank's shard of is on the valkey tier (one pipelined round trip
-        per rank; blocks for it)."""
-        if not self.valkey or not lks:
-            return [False] * len(lks)
-        have = [True] * len(lks)
-        for r, t in enumerate(self.valkey):
-            got = t.contains_many([self.record_key(r, lk) for lk in lks], tenant)
-            have = [a and b for a, b in zip(have, got, strict=True)]
-        return have
+    def locate_local(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
+        """Per key memory or a local tier or None, without asking a remote tier and without
+        cutting at a gap."""
+        return [MEMORY if self.in_memory(lk) else self.held_locally(lk, tenant) for lk in lks]
 
-    def probe_valkey(self, lks: list[bytes], tenant: str = SHARED) -> Future[list[bool]]:
-        """:meth:`in_valkey_many` on an I/O thread; never blocks. A failure answers "absent"."""
+    def in_remote_many(self, lks: list[bytes], tenant: str = SHARED) -> list[str | None]:
+        """Per key the first remote tier that holds every rank's shard, else None: one pipelined
+        round trip per rank and remote tier, for the keys the faster ones lack. Blocks for it."""
+        out: list[str | None] = [None] * len(lks)
+        for name, ts in self._remote_tiers():
+            rest = [j for j, w in enumerate(out) if w is None]
+            if not rest:
+                break
+            have = [True] * len(rest)
+            for i, t in enumerate(ts):
+                got = t.contains_many([self.record_key(i, lks[j]) for j in rest], tenant)
+                have = [a and b for a, b in zip(have, got, strict=True)]
+            for j, h in zip(rest, have, strict=True):
+                if h:
+                    out[j] = name
+        return out
 
-        def run() -> list[bool]:
+    def probe_remote(self, lks: list[bytes], tenant: str = SHARED) -> Future[list[str | None]]:
+        """:meth:`in_remote_many` on an I/O thread; never blocks. A failure answers "absent"."""
+
+        def run() -> list[str | None]:
             try:
-                return self.in_valkey_many(lks, tenant)
+                return self.in_remote_many(lks, tenant)
             except Exception:
-                log.exception("hpkv: valkey existence check failed")
-                return [False] * len(lks)
+                log.exception("hpkv: remote existence check failed")
+                return [None] * len(lks)
 
         return self._io.submit(run)
 
-    def where(self, lk: bytes) -> str | None:
-        return self.locate([lk])[0]
-
-    def locate_local(self, lks: Iterable[bytes]) -> list[str | None]:
-        """Per key memory, storage or None, without asking valkey and without cutting at a gap."""
-        return [MEMORY if self.in_memory(lk) else STORAGE if self.in_storage(lk) else None for lk in lks]
-
     def locate(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
-
-        Memory and storage are checked here; the keys they lack go to valkey in one batch."""
+        Remote tiers are asked once, for the keys the local ones lack (blocks for that)."""
         keys = list(lks)
-        out = self.locate_local(keys)
+        out = self.locate_local(keys, tenant)
         rest = [i for i, w in enumerate(out) if w is None]
-        if rest and self.valkey:
-            # Only up to the first key nothing holds matters; ask for the local gaps before it too.
-            for i, ok in zip(rest, self.in_valkey_many([keys[i] for i in rest], tenant), strict=True):
-                if ok:
-                    out[i] = VALKEY
+        if rest and self.has_remote:
+            for i, name in zip(rest, self.in_remote_many([keys[i] for i in rest], tenant), strict=True):
+                out[i] = name
         if None in out:
             cut = out.index(None)
             out[cut:] = [None] * (len(out) - cut)
         return out
 
-    # -- promotion (storage -> memory) -------------------------------------------------
+    def where(self, lk: bytes) -> str | None:
+        return self.locate([lk])[0]
+
+    # -- promotion (a slower tier -> memory) -------------------------------------------
 
     def stage(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[Future[bool]]:
-        """Start promoting ``lks`` (those in storage but not memory) into memory; never blocks.
+        """Start promoting ``lks`` (those not in memory) into memory; never blocks.
 
-        Returns the futures of the promotions now running for these keys
-        (True: the chunk is in memory now). Without a memory tier nothing can
-        be staged and the list is empty.
+        Returns the futures of the promotions now running for these keys (True: the chunk is in
+        memory now). Without a memory tier nothing can be staged and the list is empty.
         """
         futures: list[Future[bool]] = []
-        if not self.pools or not (self.storage or self.valkey):
+        if not self.pools or not self.tiers:
             return futures
         for lk in lks:
             with self._lock:
@@ -248,11 +282,9 @@ class Catalog:
             slot = self.reserve()
             if slot is None:
                 return False
-            off = slot * self.slot_bytes
-            for r in range(self.world_size):
-                if not self._read_rank(r, lk, self.pools[r].view[off : off + self.slot_bytes], tenant):
-                    self.abort(slot)
-                    return False
+            if not self._read_all_ranks(lk, slot, tenant):
+                self.abort(slot)
+                return False
             with self._lock:
                 if not self._commit_locked(slot, lk, keep_pin=False):
                     return False
@@ -265,12 +297,23 @@ class Catalog:
             with self._lock:
                 self._staging.pop(lk, None)
 
-    def _read_rank(self, r: int, lk: bytes, buf: memoryview, tenant: str) -> bool:
-        """Rank ``r``'s verified record of ``lk`` into ``buf``, from storage, else valkey."""
-        rk = self.record_key(r, lk)
-        if self.storage and self.storage[r].contains(rk) and self.storage[r].read_into(rk, buf):
-            return True
-        return bool(self.valkey) and self.valkey[r].read_into(rk, buf, Priority.PREFETCH, tenant)
+    def _read_all_ranks(self, lk: bytes, slot: int, tenant: str) -> bool:
+        off = slot * self.slot_bytes
+        return all(
+            self._read_rank(i, lk, self.pools[i].view[off : off + self.slot_bytes], tenant)
+            for i in range(len(self.ranks))
+        )
+
+    def _read_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> bool:
+        """Rank ``i``'s verified record of ``lk`` into ``buf``, from the fastest slower tier that
+        has it (a local tier is asked first whether it holds it; a remote one is simply read)."""
+        rk = self.record_key(i, lk)
+        for t in self._slow_of_rank(i):
+            if not t.remote and not t.contains_many([rk], tenant)[0]:
+                continue
+            if t.read_into(rk, buf, tenant):
+                return True
+        return False
 
     # -- pins for loads ---------------------------------------------------------------
 
@@ -313,7 +356,104 @@ class Catalog:
     def count_miss(self, chunks: int = 1) -> None:
         self._mem_stats.add("misses", chunks)
 
-    # -- stores (memory, then cascade to storage) ----------------------------------------
+    # -- loads in this process (library, SGLang) -------------------------------------------
+
+    def load(self, lks: list[bytes], consume: Consume, tenant: str = SHARED) -> int:
+        """Hand each chunk's verified payload (the first served rank's) to ``consume``; return how
+        many leading chunks succeeded. Blocks until every read is done.
+
+        The chunks are located once (remote tiers: one batched round trip) and the hit cut at the
+        first gap. Memory hits are consumed on the calling thread; the others are read on the I/O
+        threads into reserved slots, verified, consumed there and promoted (or, with no room or no
+        memory tier, read into a private buffer). A chunk after a failed one may still have been
+        consumed; only the returned prefix counts.
+        """
+        if not lks:
+            return 0
+        located = self.locate(lks, tenant)
+        n = located.index(None) if None in located else len(located)
+        if n < len(lks):
+            self.count_miss(1)  # the chunk that ended the hit (the ones after it were not asked for)
+        pinned: dict[int, int] = {}
+        with self._lock:
+            for i in range(n):
+                if located[i] == MEMORY:
+                    s = self._index.pin(lks[i])
+                    if s is not None:
+                        pinned[i] = s
+        self.protect(lks[:n])
+        futures: dict[int, Future[bool]] = {}
+        done: dict[int, bool] = {}
+        try:
+            for i in range(n):  # the slow reads first, so they overlap the memory copies
+                if i not in pinned:
+                    futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
+            for i, slot in pinned.items():
+                if self._consume_slot(i, lks[i], slot, consume):
+                    done[i] = True
+                else:  # its header failed: the slower tiers may still have it
+                    futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
+            for i, fut in futures.items():
+                done[i] = fut.result()
+        finally:
+            self.unpin(pinned.values())
+            self.unprotect(lks[:n])
+        k = 0
+        while done.get(k):
+            k += 1
+        return k
+
+    def _consume_slot(self, i: int, lk: bytes, slot: int, consume: Consume) -> bool:
+        """A pinned memory hit: its header checked (not its checksum: slots are written only by
+        this engine, from verified records or the engine's own KV), then consumed."""
+        off = slot * self.slot_bytes
+        rec = self.pools[0].view[off : off + self.record_bytes]
+        verdict = record.verify(
+            rec, self.record_bytes, self.rank_digests[0], self.record_key(0, lk), self.payload_bytes,
+            check_payload=False,
+        )  # fmt: skip
+        if verdict is not record.Verdict.OK:
+            self._mem_stats.add("corrupt")
+            self._mem_stats.add("misses")
+            with self._lock:
+                self._index.remove(lk)
+            return False
+        p = off + record.HEADER_BYTES
+        consume(i, self.pools[0].tensor[p : p + self.payload_bytes])
+        self.count_load(1, self.payload_bytes)
+        return True
+
+    def _load_slow(self, i: int, lk: bytes, consume: Consume, tenant: str) -> bool:
+        slot = self.reserve() if self.pools else None
+        if slot is not None:
+            if not self._read_all_ranks(lk, slot, tenant):
+                self.abort(slot)
+                return False
+            p = slot * self.slot_bytes + record.HEADER_BYTES
+            try:
+                consume(i, self.pools[0].tensor[p : p + self.payload_bytes])
+            finally:
+                with self._lock:
+                    promoted = self._commit_locked(slot, lk, keep_pin=False)
+            if promoted:
+                self._mem_stats.add("promotions")
+            return True
+        buf, tensor = self._scratch_buffer()
+        if not self._read_rank(0, lk, buf, tenant):
+            return False
+        consume(i, tensor[record.HEADER_BYTES : record.HEADER_BYTES + self.payload_bytes])
+        return True
+
+    def _scratch_buffer(self) -> tuple[memoryview, torch.Tensor]:
+        """A page-aligned buffer of one record for this thread (O_DIRECT reads need the alignment)."""
+        s = self._scratch
+        if not hasattr(s, "buf"):
+            s.mm = mmap.mmap(-1, self.slot_bytes)
+            s.buf = memoryview(s.mm)
+            s.tensor = torch.frombuffer(s.mm, dtype=torch.uint8)
+        return s.buf, s.tensor
+
+    # -- stores ----------------------------------------------------------------------
 
     def reserve(self) -> int | None:
         """A pinned, invisible slot for a new chunk, or None (counted) if every slot is pinned."""
@@ -330,23 +470,42 @@ class Catalog:
 
     def commit(self, lk: bytes, slot: int, tenant: str = SHARED) -> bool:
         """The workers have filled and sealed ``slot`` for ``lk`` on every rank: make it visible,
-        and queue it for the slower tiers (each skips a chunk it already holds). False (and the
-        slot freed) if another writer committed ``lk`` first or the memory tier was reset since
-        the slot was reserved."""
-        cascade = not self._cascade_off and (bool(self.valkey) or not self.in_storage(lk))
+        and queue it for the slower tiers unless every rank's tiers are known to hold it. False
+        (and the slot freed) if another writer committed ``lk`` first or the memory tier was reset
+        since the slot was reserved."""
+        cascade = self._needs_cascade(lk, tenant)
         with self._lock:
             if not self._commit_locked(slot, lk, keep_pin=cascade):
                 return False
         self._mem_stats.add("writes")
         self._mem_stats.add("bytes_written", self.payload_bytes)
         if cascade:
-            try:
-                self._cascade.put_nowait((lk, slot, tenant))
-            except queue.Full:
-                self.unpin([slot])
-                for t in self._slow_tiers():
-                    t.count("writes_skipped")
+            self._queue(lk, slot, tenant)
         return True
+
+    def _needs_cascade(self, lk: bytes, tenant: str) -> bool:
+        """Whether a slower tier may lack ``lk`` (then it is queued, or counted as skipped)."""
+        return bool(self.tiers) and not all(
+            t.held(self.record_key(i, lk), tenant)
+            for i in range(len(self.ranks))
+            for t in self._slow_of_rank(i)
+        )
+
+    def _queue(self, lk: bytes, source: Source, tenant: str) -> bool:
+        """Queue a write to the slower tiers (a slot's pin passes to the cascade); never blocks:
+        a full queue (or none: ``cascade_queue_chunks=0``) drops it, counted on each slower tier."""
+        try:
+            if self._cascade_off:
+                raise queue.Full
+            self._cascade.put_nowait((lk, source, tenant))
+            return True
+        except queue.Full:
+            if isinstance(source, int):
+                self.unpin([source])
+            for i in range(len(self.ranks)):
+                for t in self._slow_of_rank(i):
+                    t.count("writes_skipped")
+            return False
 
     def _commit_locked(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool:
         """Under the lock: make ``slot`` visible as ``lk``, unless the memory tier was reset since
@@ -361,31 +520,84 @@ class Catalog:
         with self._lock:
             self._index.abort(slot)
 
+    def store(self, lks: list[bytes], produce: Produce, tenant: str = SHARED) -> int:
+        """Store each chunk whose payload ``produce`` writes (one served rank only); return how many
+        leading chunks are now held (in memory, or queued for or held by a slower tier). Chunks
+        already held are not rewritten; nothing here waits on a remote server."""
+        if len(self.ranks) != 1:
+            raise ValueError("store() fills one rank's payloads; this catalog serves several ranks")
+        held = 0
+        for i, lk in enumerate(lks):
+            if not self._store_one(i, lk, produce, tenant):
+                break
+            held += 1
+        return held
+
+    def _store_one(self, i: int, lk: bytes, produce: Produce, tenant: str) -> bool:
+        slow = self._slow_of_rank(0)
+        rk = self.record_key(0, lk)
+        if self.pools:
+            with self._lock:
+                present = self._index.pin(lk)
+            if present is not None:
+                if self._needs_cascade(lk, tenant):
+                    self._queue(lk, present, tenant)
+                else:
+                    self.unpin([present])
+                return True
+            if slow and any(t.held(rk, tenant) for t in slow):
+                return True  # a slower tier has it; a later hit promotes it
+            slot = self.reserve()
+            if slot is not None:
+                off = slot * self.slot_bytes
+                try:
+                    produce(i, self.pools[0].tensor[off + record.HEADER_BYTES : off + self.record_bytes])
+                except BaseException:
+                    self.abort(slot)
+                    raise
+                record.seal(
+                    self.pools[0].view[off : off + self.record_bytes],
+                    self.rank_digests[0],
+                    rk,
+                    self.payload_bytes,
+                )
+                self.commit(lk, slot, tenant)
+                return True
+        if not slow:
+            return False
+        if any(t.held(rk, tenant) for t in slow):
+            return True
+        buf = bytearray(self.record_bytes)
+        payload = torch.frombuffer(buf, dtype=torch.uint8)[record.HEADER_BYTES :]
+        produce(i, payload)
+        del payload  # the buffer must have no exports left when the cascade hands it to a tier
+        record.seal(memoryview(buf), self.rank_digests[0], rk, self.payload_bytes)
+        return self._queue(lk, buf, tenant)
+
     def _run_cascade(self) -> None:
         while True:
             item = self._cascade.get()
             try:
                 if item is None:
                     return
-                lk, slot, tenant = item
-                off = slot * self.slot_bytes
-                for r in range(self.world_size):
-                    rk, rec = self.record_key(r, lk), self.pools[r].view[off : off + self.record_bytes]
-                    for tier in self._slow_of_rank(r):
+                lk, source, tenant = item
+                for i in range(len(self.ranks)):
+                    if isinstance(source, int):
+                        off = source * self.slot_bytes
+                        rec = self.pools[i].view[off : off + self.record_bytes]
+                    else:
+                        rec = memoryview(source)
+                    rk = self.record_key(i, lk)
+                    for tier in self._slow_of_rank(i):
                         try:
                             tier.write(rk, rec, tenant)
-                        except Exception:
+                        except Exception:  # a tier bug must not kill the writer thread
                             log.exception("hpkv: cascade write to %s failed", tier.name)
                             tier.count("errors")
-                self.unpin([slot])
+                if isinstance(source, int):
+                    self.unpin([source])
             finally:
                 self._cascade.task_done()
-
-    def _slow_of_rank(self, r: int) -> list[WriteTarget]:
-        return [tiers[r] for tiers in (self.storage, self.valkey) if tiers]
-
-    def _slow_tiers(self) -> list[WriteTarget]:
-        return [*self.storage, *self.valkey]
 
     def flush(self) -> None:
         """Wait for every queued cascade write and every running promotion."""
@@ -399,59 +611,58 @@ class Catalog:
 
     def clear(self, tiers: tuple[str, ...] = (MEMORY, STORAGE)) -> None:
         """Forget chunks of the named tiers (pinned slots are freed when their copies finish).
-        Valkey is cleared only when named: it is shared with other engines."""
+        A remote tier is cleared only when named: it is shared with other engines."""
         if MEMORY in tiers:
             with self._lock:
                 self._epoch += 1
                 self._index.clear()
-        if STORAGE in tiers:
+        named = [ts for n, ts in self.tiers.items() if n in tiers]
+        if named:
             self._cascade.join()
-            for t in self.storage:
-                t.clear()
-        if VALKEY in tiers:
-            self._cascade.join()
-            for v in self.valkey:
-                v.clear()
+            for ts in named:
+                for t in ts:
+                    t.clear()
 
     def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier (summed over the served ranks): hits, misses, corrupt, bytes_read,
+        bytes_written, writes, writes_skipped, evictions, errors, promotions, used_bytes,
+        capacity_bytes, chunks; with several ranks also each rank's slower tiers
+        (``storage.rank1``)."""
         out: dict[str, dict[str, int]] = {}
+        n = len(self.ranks)
         if self.pools:
             with self._lock:
                 used, pinned = len(self._index), self._index.pinned()
             out[MEMORY] = self._mem_stats.snapshot(
-                used_bytes=used * self.payload_bytes * self.world_size,
-                capacity_bytes=self.num_slots * self.payload_bytes * self.world_size,
+                used_bytes=used * self.payload_bytes * n,
+                capacity_bytes=self.num_slots * self.payload_bytes * n,
                 chunks=used,
                 pinned_slots=pinned,
                 cascade_pending=self._cascade.qsize(),
             )
-        if self.storage:
-            per_rank = [t.stats() for t in self.storage]
-            agg = {k: sum(s[k] for s in per_rank) for k in per_rank[0]}
-            agg["chunks"] = per_rank[0]["chunks"]
-            agg["o_direct"] = per_rank[0]["o_direct"]
-            out[STORAGE] = agg
-        if self.valkey:
-            per = [t.stats() for t in self.valkey]
-            vagg = {k: sum(s[k] for s in per) for k in per[0]}
-            vagg["connected"] = per[0]["connected"]
-            out[VALKEY] = vagg
-        if self.world_size > 1:
-            # Each rank reads and writes its own shard: its own counters show that every rank
-            # served its part (memory hits are per slot, the same slots on every rank).
-            for r, st in enumerate(self.storage):
-                out[f"{STORAGE}.rank{r}"] = st.stats()
-            for r, vt in enumerate(self.valkey):
-                out[f"{VALKEY}.rank{r}"] = vt.stats()
+        for name, ts in self.tiers.items():
+            per = [t.stats() for t in ts]
+            agg = {k: sum(s[k] for s in per) for k in per[0]}
+            for same in ("chunks", "o_direct", "connected"):  # per rank, not additive
+                if same in per[0]:
+                    agg[same] = per[0][same]
+            out[name] = agg
+        if n > 1:
+            for name, ts in self.tiers.items():
+                for i, t in enumerate(ts):
+                    out[f"{name}.rank{self.ranks[i]}"] = t.stats()
         return out
 
     def check(self) -> None:
+        """Assert internal consistency (tests call this after fault injection)."""
         with self._lock:
             self._index.check()
-        for t in self.storage:
-            t.check()
+        for ts in self.tiers.values():
+            for t in ts:
+                t.check()
 
     def close(self) -> None:
+        """Flush the cascade, stop the threads, close the tiers, then unmap the pools. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -459,7 +670,15 @@ class Catalog:
         self._cascade.put(None)
         self._cascade_thread.join(timeout=30)
         self._io.shutdown(wait=True)
-        if self._remote is not None:
-            self._remote.close()
+        # Remote workers first: a worker's last job may still reference its buffer (a slice of a
+        # pool) until the worker ends, and a mapping with a live export cannot be closed.
+        self._close_tiers()
         for p in self.pools:
             p.close()
+
+    def _close_tiers(self) -> None:
+        for close in self._closers:
+            close()
+        for ts in reversed(list(self.tiers.values())):
+            for t in ts:
+                t.close()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace
-from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
+from hpkv.engine.catalog import MEMORY, Catalog
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.statsfile import StatsFile
@@ -56,7 +56,7 @@ class _Req:
     # The lookup, in the order it happens (never waiting: see get_num_new_matched_tokens):
     where: list[str | None] | None = None  # tier per chunk from looked_from on (None: no tier)
     looked_from: int = 0
-    probe: Future[list[bool]] | None = None  # valkey's answer for the chunks local tiers lack
+    probe: Future[list[str | None]] | None = None  # the remote tiers' answer for the local gaps
     probe_at: list[int] = field(default_factory=list)
     stage_started: bool = False
     staging: list[Future[bool]] = field(default_factory=list)
@@ -174,27 +174,27 @@ class HpkvScheduler:
         lks = st.lks
         if not st.staged:
             if st.where is None:
-                st.where = self.catalog.locate_local(lks[first:])
+                st.where = self.catalog.locate_local(lks[first:], st.tenant)
                 st.looked_from = first
+                self.catalog.count_miss(sum(w != MEMORY for w in st.where))
                 gaps = [i for i, w in enumerate(st.where) if w is None]
-                if gaps and self.catalog.valkey:
+                if gaps and self.catalog.has_remote:
                     st.probe_at = gaps
-                    st.probe = self.catalog.probe_valkey([lks[first + i] for i in gaps], st.tenant)
+                    st.probe = self.catalog.probe_remote([lks[first + i] for i in gaps], st.tenant)
                     st.staging_since = time.monotonic()
             if st.probe is not None:
                 if not st.probe.done() and not self._gave_up(st):
                     return None, False
-                have = st.probe.result() if st.probe.done() else [False] * len(st.probe_at)
-                for i, ok in zip(st.probe_at, have, strict=True):
-                    if ok:
-                        st.where[i] = VALKEY
+                names = st.probe.result() if st.probe.done() else [None] * len(st.probe_at)
+                for i, name in zip(st.probe_at, names, strict=True):
+                    st.where[i] = name
                 st.probe = None
             if not st.stage_started:
                 st.stage_started = True
                 where = st.where
                 cut = where.index(None) if None in where else len(where)
                 where = where[:cut]
-                st.tiers = {t: where.count(t) for t in (MEMORY, STORAGE, VALKEY)}
+                st.tiers = {t: where.count(t) for t in [MEMORY, *self.catalog.tiers] if t in where}
                 st.protected = lks[st.looked_from : st.looked_from + cut]
                 self.catalog.protect(st.protected)
                 need = [lk for lk, w in zip(st.protected, where, strict=True) if w != MEMORY]
@@ -211,11 +211,13 @@ class HpkvScheduler:
                     request.request_id,
                     (time.monotonic() - st.staging_since) * 1e3,
                 )
-                st.tiers[VALKEY] = sum(
-                    self.catalog.in_memory(lk)
-                    for lk, w in zip(st.protected, st.where, strict=False)
-                    if w == VALKEY
-                )
+                for name in self.catalog.tiers:  # what arrived (a failed promotion shortens the hit)
+                    if name in st.tiers:
+                        st.tiers[name] = sum(
+                            self.catalog.in_memory(lk)
+                            for lk, w in zip(st.protected, st.where, strict=False)
+                            if w == name
+                        )
             st.staging = []
         self._counters["lookups"] += 1
         slots = self.catalog.pin(lks[first:])

@@ -22,10 +22,12 @@ import threading
 import time
 
 from hpkv.core import record
+from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT
 from hpkv.core.paths import NotARegularFile, check_private_dir
 from hpkv.core.stats import TierStats
+from hpkv.tiers.base import Built
 from hpkv.tiers.disk.index import DiskIndex
 from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, write_atomic
 
@@ -39,7 +41,11 @@ _LOG_EVERY_S = 30.0
 
 
 class StorageTier:
+    """One rank's chunk files (a :class:`hpkv.tiers.base.Tier`). Tenants share the directory: their
+    keys already differ (a tenant's chunks are keyed with its salt)."""
+
     name = NAME
+    remote = False
 
     def __init__(
         self,
@@ -159,7 +165,10 @@ class StorageTier:
             self._index.add(key, st.st_size)
         return True
 
-    def read_into(self, key: bytes, buf: memoryview) -> bool:
+    def contains_many(self, keys: list[bytes], tenant: str = SHARED_TENANT) -> list[bool]:
+        return [self.contains(k) for k in keys]
+
+    def read_into(self, key: bytes, buf: memoryview, tenant: str = SHARED_TENANT) -> bool:
         """Read and verify the record of ``key`` into ``buf`` (page-aligned, page-rounded length
         ≥ the record). True: ``buf`` holds a verified record. False: a counted miss."""
         path = self.path(key)
@@ -240,7 +249,7 @@ class StorageTier:
 
     # -- housekeeping ---------------------------------------------------------
 
-    def delete(self, key: bytes) -> bool:
+    def delete(self, key: bytes, tenant: str = SHARED_TENANT) -> bool:
         self._forget(key)
         try:
             os.unlink(self.path(key))
@@ -341,3 +350,24 @@ class StorageTier:
         if now - self._last_log >= _LOG_EVERY_S:
             self._last_log = now
             log.warning(msg)
+
+
+def from_config(config: HpkvConfig, payload_bytes: int, rank_digests: list[bytes]) -> Built | None:
+    """One storage tier per rank under ``config.storage_path`` (the registry's builder)."""
+    root = config.resolved_storage_path
+    if root is None:
+        return None
+    return Built(
+        [
+            StorageTier(
+                root,
+                config.storage_size,
+                payload_bytes,
+                d,
+                o_direct=config.storage_o_direct,
+                where=config.where("storage_path"),
+                shared_group=config.shared_group,
+            )
+            for d in rank_digests
+        ]
+    )

@@ -1,6 +1,6 @@
 """Slot bookkeeping for the memory pool: which key lives in which slot, LRU order, pins.
 
-Pure data structure, no I/O. Not thread-safe by itself: :class:`MemoryTier`
+Pure data structure, no I/O. Not thread-safe by itself: the engine (:class:`hpkv.engine.catalog.Catalog`)
 calls it under one lock, and does the byte copies outside that lock while the
 slots involved are pinned.
 

@@ -23,8 +23,10 @@ from collections import OrderedDict
 from typing import Any
 
 from hpkv.core import record
+from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.stats import TierStats
+from hpkv.tiers.base import Built
 from hpkv.tiers.valkey.client import ValkeySettings, glide
 from hpkv.tiers.valkey.workers import Priority, Unavailable, WorkerPool
 
@@ -55,7 +57,11 @@ class ValkeyConnection:
 
 
 class ValkeyTier:
+    """One rank's keys on the Valkey server(s) (a :class:`hpkv.tiers.base.Tier`); the connection
+    (worker threads, clients) is shared by the ranks and closed by its owner."""
+
     name = NAME
+    remote = True
 
     def __init__(self, conn: ValkeyConnection, payload_bytes: int, namespace: bytes) -> None:
         self.conn = conn
@@ -84,7 +90,7 @@ class ValkeyTier:
 
     def contains_many(self, keys: list[bytes], tenant: str = SHARED) -> list[bool]:
         """Which of ``keys`` the server holds, in one pipelined round trip. Unknown (down,
-        error) counts as absent."""
+        error) counts as absent; each absent key is a counted miss."""
         if not keys:
             return []
         names = [self.key_name(k, tenant) for k in keys]
@@ -100,13 +106,17 @@ class ValkeyTier:
 
         got = self._call(Priority.PEEK, job, "exists")
         if not isinstance(got, list) or len(got) != len(keys):
-            return [False] * len(keys)
+            got = [False] * len(keys)
+        for n, present in zip(names, got, strict=True):
+            if not present:  # gone (evicted, expired, a restarted server) or unknown: write it again
+                self._forget(n)
+                self._stats.add("misses")
         return got
 
     # -- reads ---------------------------------------------------------------------
 
     def read_into(
-        self, key: bytes, buf: memoryview, priority: Priority = Priority.GET, tenant: str = SHARED
+        self, key: bytes, buf: memoryview, tenant: str = SHARED, *, priority: Priority = Priority.GET
     ) -> bool:
         """GET the record of ``key`` straight into ``buf`` (≥ the record's length) and verify it.
         True: ``buf`` holds a verified record. False: a counted miss (absent, wrong length,
@@ -265,3 +275,12 @@ class ValkeyTier:
         if now - self._last_log > _LOG_EVERY_S:
             self._last_log = now
             log.warning(msg)
+
+
+def from_config(config: HpkvConfig, payload_bytes: int, rank_digests: list[bytes]) -> Built | None:
+    """One valkey tier per rank over one shared connection (the registry's builder)."""
+    settings = ValkeySettings.from_config(config)
+    if settings is None:
+        return None
+    conn = ValkeyConnection(settings)
+    return Built([ValkeyTier(conn, payload_bytes, d) for d in rank_digests], conn.close)
