@@ -53,7 +53,7 @@ def test_demo_model_token_counts(tmp_path: Path) -> None:
 
     from transformers import AutoTokenizer
 
-    from hpkv.cli.demo_model import load_words, write_demo_model
+    from hpkv.bench.demo_model import load_words, write_demo_model
 
     write_demo_model(str(tmp_path), "tiny")
     tok = AutoTokenizer.from_pretrained(str(tmp_path))

@@ -24,7 +24,7 @@ BLOCK = 64
 
 @pytest.fixture(scope="session")
 def demo_model() -> Iterator[str]:
-    from hpkv.cli.demo_model import write_demo_model
+    from hpkv.bench.demo_model import write_demo_model
 
     d = tempfile.mkdtemp(prefix="hpkv-demo-model-")
     write_demo_model(d, "tiny")

@@ -26,7 +26,7 @@ FULL = (N // CHUNK) * CHUNK
 
 @pytest.fixture(scope="module")
 def env(demo_model: str) -> Iterator[dict[str, Any]]:
-    from hpkv.cli.demo_model import write_demo_lora
+    from hpkv.bench.demo_model import write_demo_lora
 
     tmp = tempfile.mkdtemp(prefix="hpkv-e2e-ident-")
     a = write_demo_lora(os.path.join(tmp, "lora-a"), demo_model, seed=1)

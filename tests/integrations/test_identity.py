@@ -19,7 +19,7 @@ from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.sampling_params import SamplingParams
 from vllm.v1.request import Request
 
-from hpkv.cli.demo_model import write_demo_lora
+from hpkv.bench.demo_model import write_demo_lora
 from hpkv.core.keys import chunk_keys, tenant_tag
 from hpkv.integrations.vllm.identity import IdentityReader
 

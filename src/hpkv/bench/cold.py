@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         model = os.path.join(args.out, f"demo-model-{args.size}")
         if not os.path.exists(os.path.join(model, "config.json")):
-            from hpkv.cli.demo_model import write_demo_model
+            from hpkv.bench.demo_model import write_demo_model
 
             write_demo_model(model, args.size)
     work = tempfile.mkdtemp(prefix="hpkv-bench-cold-")

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         model = os.path.join(args.out, "demo-model-small")
         if not os.path.exists(os.path.join(model, "config.json")):
-            from hpkv.cli.demo_model import write_demo_model
+            from hpkv.bench.demo_model import write_demo_model
 
             write_demo_model(model, "small")
     from hpkv.bench.valkey import ValkeyServers

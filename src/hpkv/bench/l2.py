@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             if model is None:
                 model = os.path.join(args.out, f"demo-model-{args.size}")
                 if not os.path.exists(os.path.join(model, "config.json")):
-                    from hpkv.cli.demo_model import write_demo_model
+                    from hpkv.bench.demo_model import write_demo_model
 
                     print(f"writing the demo model ({args.size}) to {model}", flush=True)
                     write_demo_model(model, args.size)

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpkv.cli.serve import serve_env, vllm_command
 from hpkv.core.procs import stop_group
+from hpkv.integrations.vllm.launch import serve_env, vllm_command
 from hpkv.integrations.vllm.statsfile import read_all
 
 

@@ -56,11 +56,11 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
+from hpkv.bench.demo_model import SIZES
 from hpkv.bench.refs import drop_page_cache, memcpy_gbps, raw_glide_gbps, raw_read_gbps
 from hpkv.bench.report import chart, first_error, kv_bytes_per_prompt, print_comparison, print_system
 from hpkv.bench.server import Server, ServerError
 from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, delta, verify_engine, verify_hpkv
-from hpkv.cli.demo_model import SIZES
 
 CHUNK = 256
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.url is None and model is None:
         model = os.path.join(args.out, f"demo-model-{args.size}")
         if not os.path.exists(os.path.join(model, "config.json")):
-            from hpkv.cli.demo_model import write_demo_model
+            from hpkv.bench.demo_model import write_demo_model
 
             print(f"writing the demo model ({args.size}) to {model}", flush=True)
             write_demo_model(model, args.size)

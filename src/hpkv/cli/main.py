@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from hpkv.cli.demo_model import SIZES
+from hpkv.bench.demo_model import SIZES
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +87,7 @@ def _main(argv: list[str] | None = None) -> int:
         )
         return 0
     if a.cmd == "demo-lora":
-        from hpkv.cli.demo_model import write_demo_lora
+        from hpkv.bench.demo_model import write_demo_lora
 
         print(f"wrote a random LoRA adapter (k_proj, v_proj) to {write_demo_lora(a.dir, a.model, a.seed)}")
         return 0
@@ -96,7 +96,7 @@ def _main(argv: list[str] | None = None) -> int:
 
         return serve_main(a)
     if a.cmd == "demo-model":
-        from hpkv.cli.demo_model import write_demo_model
+        from hpkv.bench.demo_model import write_demo_model
 
         m = write_demo_model(a.dir, a.size)
         print(f"wrote a random-weight Qwen2 ({a.size}) and a tokenizer to {m.path}")

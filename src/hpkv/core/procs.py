@@ -29,3 +29,15 @@ def stop_group(proc: subprocess.Popen[bytes] | None, timeout: float = 60.0) -> N
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
+
+
+def background_priority(nice: int) -> None:
+    """Lower the calling thread's CPU priority to ``nice`` (Linux schedules threads one by one: only
+    this thread, and threads it starts later, are affected), so that background tier work yields
+    the CPU to the model's threads where they share cores (vLLM's CPU build). Never raises: where
+    the platform refuses, the thread keeps its priority."""
+    import contextlib
+    import threading
+
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

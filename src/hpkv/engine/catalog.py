@@ -38,6 +38,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
+from hpkv.core.procs import background_priority
 from hpkv.core.stats import TierStats
 from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
@@ -53,6 +54,8 @@ VALKEY = "valkey"
 # produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep ``payload``.
 Consume = Callable[[int, torch.Tensor], None]
 Produce = Callable[[int, torch.Tensor], None]
+# The cascade thread's nice value (Linux: per thread): its CFS weight is ~1/10 of the model's threads.
+CASCADE_NICE = 10
 # What the cascade writes from: a pool slot (every rank's), or one rank's private sealed record.
 Source = int | bytearray
 
@@ -575,6 +578,9 @@ class Catalog:
         return self._queue(lk, buf, tenant)
 
     def _run_cascade(self) -> None:
+        # Write-behind is never urgent: where it shares cores with the model (vLLM's CPU build),
+        # it must take the CPU only when the model does not need it.
+        background_priority(CASCADE_NICE)
         while True:
             item = self._cascade.get()
             try:
