@@ -28,6 +28,7 @@ import logging
 import mmap
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -56,14 +57,26 @@ Consume = Callable[[int, torch.Tensor], None]
 Produce = Callable[[int, torch.Tensor], None]
 # The cascade thread's nice value (Linux: per thread): its CFS weight is ~1/10 of the model's threads.
 CASCADE_NICE = 10
+# With defer_cascade: how long the engine must have been idle before write-behind runs, and how long
+# a step may hold it back.
+CASCADE_IDLE_S = 0.01
+CASCADE_DEFER_MAX_S = 5.0
 # What the cascade writes from: a pool slot (every rank's), or one rank's private sealed record.
 Source = int | bytearray
 
 
 class Catalog:
-    def __init__(self, config: HpkvConfig, namespace: Namespace, ranks: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        config: HpkvConfig,
+        namespace: Namespace,
+        ranks: Sequence[int] | None = None,
+        *,
+        defer_cascade: bool = False,
+    ) -> None:
         """``ranks``: the tensor-parallel ranks this process serves (default: all of ``namespace``'s);
-        index ``i`` of every per-rank list here is rank ``ranks[i]``."""
+        index ``i`` of every per-rank list here is rank ``ranks[i]``. ``defer_cascade``: hold
+        write-behind while the engine computes (see :meth:`engine_busy`)."""
         record.set_auth_key(config.auth_key_bytes)
         self.config = config
         self.chunk_size = config.chunk_size
@@ -134,9 +147,13 @@ class Catalog:
             maxsize=max(config.cascade_queue_chunks, 1)
         )
         self._cascade_off = config.cascade_queue_chunks == 0 or not self.tiers
+        self._defer = defer_cascade
+        self._busy = False
+        self._busy_since = self._idle_since = 0.0
+        self._urgent = 0  # flushes waiting: the cascade then writes at once
+        self._closed = False
         self._cascade_thread = threading.Thread(target=self._run_cascade, name="hpkv-cascade", daemon=True)
         self._cascade_thread.start()
-        self._closed = False
 
     # -- tiers ------------------------------------------------------------------------
 
@@ -587,6 +604,8 @@ class Catalog:
                 if item is None:
                     return
                 lk, source, tenant = item
+                while not self._may_write():
+                    time.sleep(0.005)
                 for i in range(len(self.ranks)):
                     if isinstance(source, int):
                         off = source * self.slot_bytes
@@ -605,9 +624,38 @@ class Catalog:
             finally:
                 self._cascade.task_done()
 
+    def engine_busy(self, busy: bool) -> None:
+        """The engine started (True) or finished (False) a step that computes. With
+        ``defer_cascade`` the cascade writes only once the engine has been idle for
+        CASCADE_IDLE_S, or when its queue is half full, or a step has run for CASCADE_DEFER_MAX_S:
+        where tier work and the model share the CPU (vLLM's CPU build), write-behind then costs
+        a prefill nothing; under sustained load it still runs (and a full queue still drops)."""
+        now = time.monotonic()
+        if busy and not self._busy:
+            self._busy_since = now
+        elif not busy and self._busy:
+            self._idle_since = now
+        self._busy = busy
+
+    def _may_write(self) -> bool:
+        if not self._defer or self._urgent or self._closed:
+            return True
+        if self._cascade.qsize() >= self._cascade.maxsize // 2:
+            return True
+        now = time.monotonic()
+        if self._busy:
+            return now - self._busy_since > CASCADE_DEFER_MAX_S
+        return now - self._idle_since >= CASCADE_IDLE_S
+
     def flush(self) -> None:
         """Wait for every queued cascade write and every running promotion."""
-        self._cascade.join()
+        with self._lock:
+            self._urgent += 1
+        try:
+            self._cascade.join()
+        finally:
+            with self._lock:
+                self._urgent -= 1
         with self._lock:
             pending = list(self._staging.values())
         for f in pending:
@@ -624,7 +672,7 @@ class Catalog:
                 self._index.clear()
         named = [ts for n, ts in self.tiers.items() if n in tiers]
         if named:
-            self._cascade.join()
+            self.flush()
             for ts in named:
                 for t in ts:
                     t.clear()
@@ -672,7 +720,7 @@ class Catalog:
         if self._closed:
             return
         self._closed = True
-        self._cascade.join()
+        self.flush()
         self._cascade.put(None)
         self._cascade_thread.join(timeout=30)
         self._io.shutdown(wait=True)

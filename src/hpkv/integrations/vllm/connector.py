@@ -80,12 +80,16 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             # A cache miss must never fail a request: recompute what could not be loaded.
             if ktc.kv_load_failure_policy != "recompute":
                 ktc.kv_load_failure_policy = "recompute"
+            from vllm.platforms import current_platform
+
             self._scheduler = HpkvScheduler(
                 self.config,
                 self.namespace,
                 self.block_size,
                 load=ktc.is_kv_consumer,
                 store=ktc.is_kv_producer,
+                # On the CPU build the model and hpkv's threads share the cores.
+                defer_cascade=current_platform.is_cpu(),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

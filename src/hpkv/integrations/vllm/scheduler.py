@@ -80,8 +80,17 @@ class _Op:
 
 class HpkvScheduler:
     def __init__(
-        self, config: HpkvConfig, namespace: Namespace, block_size: int, *, load: bool, store: bool
+        self,
+        config: HpkvConfig,
+        namespace: Namespace,
+        block_size: int,
+        *,
+        load: bool,
+        store: bool,
+        defer_cascade: bool = False,
     ) -> None:
+        """``defer_cascade``: the model runs on the CPU, sharing its cores with hpkv's tier work:
+        write-behind waits for idle time (see :meth:`Catalog.engine_busy`)."""
         if config.chunk_size % block_size:
             raise_config(
                 config,
@@ -94,7 +103,7 @@ class HpkvScheduler:
         self.chunk_size = config.chunk_size
         self.load_enabled = load
         self.store_enabled = store
-        self.catalog = Catalog(config, namespace)
+        self.catalog = Catalog(config, namespace, defer_cascade=defer_cascade)
         self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
         self.world_size = namespace.world_size
         self._reqs: dict[str, _Req] = {}
@@ -249,6 +258,7 @@ class HpkvScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
         meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
+        self.catalog.engine_busy(so.total_num_scheduled_tokens > 0)
         if so.total_num_scheduled_tokens == 0:
             self._idle_wait()
         for new in so.scheduled_new_reqs:
@@ -313,6 +323,7 @@ class HpkvScheduler:
         return op_id
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.catalog.engine_busy(False)  # the step is done
         wm = output.kv_connector_worker_meta
         if not isinstance(wm, HpkvWorkerMeta):
             return

@@ -1,0 +1,58 @@
+"""Write-behind that waits for idle time (vLLM's CPU build: the model and hpkv share the cores).
+
+A real catalog (pool file, storage directory); the engine's steps are announced as the vLLM
+scheduler announces them (``engine_busy``)."""
+
+from __future__ import annotations
+
+import time
+
+from hpkv import HpkvConfig
+from hpkv.core.keys import Namespace
+from hpkv.engine.catalog import Catalog
+from tests.conftest import CHUNK, SMALL
+from tests.engine.test_catalog_reset import store
+
+
+def make(shm_dir: str, storage_dir: str, queue: int = 8) -> Catalog:
+    cfg = HpkvConfig(
+        mem_pool_size="4M",
+        share_mem_file_path=shm_dir,
+        storage_path=storage_dir,
+        chunk_size=CHUNK,
+        cascade_queue_chunks=queue,
+    )
+    return Catalog(cfg, Namespace("defer", SMALL, CHUNK), defer_cascade=True)
+
+
+def test_writes_wait_while_the_engine_computes(shm_dir: str, storage_dir: str) -> None:
+    cat = make(shm_dir, storage_dir)
+    try:
+        cat.engine_busy(True)
+        lk = cat.keys(list(range(CHUNK)))[0]
+        assert cat.commit(lk, store(cat, lk))
+        time.sleep(0.3)
+        assert not cat.in_storage(lk)  # held back: a step is running
+        cat.engine_busy(False)
+        deadline = time.monotonic() + 5
+        while not cat.in_storage(lk) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cat.in_storage(lk)  # written once the engine went idle
+        assert cat.stats()["memory"]["pinned_slots"] == 0
+    finally:
+        cat.close()
+
+
+def test_a_half_full_queue_or_a_flush_writes_anyway(shm_dir: str, storage_dir: str) -> None:
+    cat = make(shm_dir, storage_dir, queue=4)
+    try:
+        cat.engine_busy(True)  # and it stays busy: sustained load
+        lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(3)]
+        for lk in lks:
+            assert cat.commit(lk, store(cat, lk))
+        time.sleep(0.3)
+        assert sum(cat.in_storage(lk) for lk in lks) >= 1  # the backlog reached half the queue
+        cat.flush()  # a flush (clear, close, a reset) never waits for idle time
+        assert all(cat.in_storage(lk) for lk in lks)
+    finally:
+        cat.close()
