@@ -23,6 +23,7 @@ from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta
 from hpkv.integrations.vllm.scheduler import HpkvScheduler
+from hpkv.tiers.memory.pool import slot_bytes
 from tests.conftest import SMALL, random_tokens
 
 pytest.importorskip("vllm")
@@ -121,6 +122,16 @@ class Sim:
         self.cat.flush()  # the cascade to storage done: its pins released
         return len(meta.stores)
 
+    def hit_and_load(self, rid: str, tokens: list[int], chunks: int) -> tuple[Request, Any]:
+        """Store ``tokens`` cold, then a second request: its lookup hits ``chunks`` chunks and the
+        next step sends their load to the workers (not yet reported)."""
+        assert self.cold(f"{rid}-cold", tokens) == chunks
+        req = self.request(rid, tokens)
+        assert self.lookup_settled(req) == chunks * CHUNK
+        self.admit(req, chunks * CHUNK)
+        [load] = self.step([(req, chunks * CHUNK, 1)]).loads
+        return req, load
+
     def pinned(self) -> int:
         return int(self.cat.stats()[MEMORY]["pinned_slots"])
 
@@ -145,6 +156,12 @@ def make_sim(shm_dir: str, storage_dir: str) -> Iterator[Any]:
     yield factory
     for s in made:
         s.shutdown()
+
+
+def with_slots(make_sim: Any, slots: int, **cfg: Any) -> Sim:
+    """A scheduler whose pool holds exactly ``slots`` chunks."""
+    per = slot_bytes(record.record_bytes(SMALL.chunk_bytes(CHUNK)))
+    return make_sim(mem_pool_size=str(slots * per), **cfg)  # type: ignore[no-any-return]
 
 
 def prompt(chunks: int, seed: int) -> list[int]:
@@ -194,10 +211,7 @@ def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest
 
 def test_promotions_never_evict_the_requests_own_chunks(make_sim: Any) -> None:
     # A pool of exactly 6 slots, full: the request's first 2 chunks and 4 chunks of others.
-    probe = make_sim(mem_pool_size="1M")
-    slot_bytes = probe.cat.slot_bytes
-    probe.s.shutdown()
-    sim = make_sim(mem_pool_size=str(6 * slot_bytes), storage_io_threads=1)
+    sim = with_slots(make_sim, 6, storage_io_threads=1)
     assert sim.cat.num_slots == 6
     tokens = prompt(6, seed=2)
     assert sim.cold("a", tokens) == 6
@@ -217,10 +231,7 @@ def test_promotions_never_evict_the_requests_own_chunks(make_sim: Any) -> None:
 
 
 def test_a_pool_too_small_for_the_prompt_gives_a_shorter_hit(make_sim: Any) -> None:
-    probe = make_sim(mem_pool_size="1M")
-    slot_bytes = probe.cat.slot_bytes
-    probe.s.shutdown()
-    sim = make_sim(mem_pool_size=str(5 * slot_bytes), storage_io_threads=1)
+    sim = with_slots(make_sim, 5, storage_io_threads=1)
     tokens = prompt(6, seed=4)
     assert sim.cold("a", tokens) == 5  # the sixth chunk found every slot pinned by the first five
     sim.cat.flush()
@@ -297,12 +308,7 @@ def test_a_reset_during_staging_leaves_nothing_visible(
 def test_a_request_aborted_mid_load_releases_its_slots_once(make_sim: Any) -> None:
     sim = make_sim()
     tokens = prompt(3, seed=7)
-    assert sim.cold("a", tokens) == 3
-    req = sim.request("b", tokens)
-    assert sim.lookup_settled(req) == 3 * CHUNK
-    sim.admit(req, 3 * CHUNK)
-    meta = sim.step([(req, 3 * CHUNK, 1)])
-    [load] = meta.loads
+    req, load = sim.hit_and_load("b", tokens, 3)
     sim.s.request_finished(req)  # aborted while the workers copy
     assert sim.pinned() == 3  # the copy in flight still reads the slots
     sim.report({load.op_id: (1, 0)})
@@ -320,12 +326,7 @@ def test_a_request_aborted_mid_load_releases_its_slots_once(make_sim: Any) -> No
 def test_a_preempted_request_looks_up_again_without_leaking_pins(make_sim: Any) -> None:
     sim = make_sim()
     tokens = prompt(2, seed=8)
-    assert sim.cold("a", tokens) == 2
-    req = sim.request("b", tokens)
-    assert sim.lookup_settled(req) == 2 * CHUNK
-    sim.admit(req, 2 * CHUNK)
-    meta = sim.step([(req, 2 * CHUNK, 1)])
-    [load] = meta.loads
+    req, load = sim.hit_and_load("b", tokens, 2)
     # Preempted before the workers reported; vLLM asks again when it resumes the request.
     assert sim.lookup(req) == 2 * CHUNK
     assert sim.pinned() == 2  # slots pinned: the op's and the new lease's pins are on the same two
@@ -336,10 +337,7 @@ def test_a_preempted_request_looks_up_again_without_leaking_pins(make_sim: Any) 
 
 
 def test_a_leased_chunk_is_not_evicted_before_its_load(make_sim: Any) -> None:
-    probe = make_sim(mem_pool_size="1M")
-    slot_bytes = probe.cat.slot_bytes
-    probe.s.shutdown()
-    sim = make_sim(mem_pool_size=str(4 * slot_bytes), storage_path=None)
+    sim = with_slots(make_sim, 4, storage_path=None)
     tokens = prompt(2, seed=9)
     assert sim.cold("a", tokens) == 2
     req = sim.request("b", tokens)
