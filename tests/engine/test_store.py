@@ -71,7 +71,10 @@ def test_pool_too_small_for_the_prefix(make_store: StoreFactory) -> None:
     assert set(where) == {"memory", "storage"}
     assert where.count("memory") <= 4
     assert bits_equal(s.get(toks), kv)
-    assert s.stats()["memory"]["evictions"] > 0
+    # The pool could not hold every chunk: older ones were evicted, or (while the cascade still
+    # pinned them for their storage write) newer ones skipped memory; which, depends on timing.
+    mem = s.stats()["memory"]
+    assert mem["evictions"] + mem["writes_skipped"] > 0
     s.check()
 
 
