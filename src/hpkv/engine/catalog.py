@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import logging
 import mmap
-import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -39,8 +37,8 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
-from hpkv.core.procs import background_priority
 from hpkv.core.stats import TierStats
+from hpkv.engine.cascade import Cascade
 from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
@@ -55,14 +53,6 @@ VALKEY = "valkey"
 # produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep ``payload``.
 Consume = Callable[[int, torch.Tensor], None]
 Produce = Callable[[int, torch.Tensor], None]
-# The cascade thread's nice value (Linux: per thread): its CFS weight is ~1/10 of the model's threads.
-CASCADE_NICE = 10
-# With defer_cascade: how long the engine must have been idle before write-behind runs, and how long
-# a step may hold it back.
-CASCADE_IDLE_S = 0.01
-CASCADE_DEFER_MAX_S = 5.0
-# What the cascade writes from: a pool slot (every rank's), or one rank's private sealed record.
-Source = int | bytearray
 
 
 class Catalog:
@@ -143,17 +133,16 @@ class Catalog:
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io")
         self._scratch = threading.local()
-        self._cascade: queue.Queue[tuple[bytes, Source, str] | None] = queue.Queue(
-            maxsize=max(config.cascade_queue_chunks, 1)
-        )
-        self._cascade_off = config.cascade_queue_chunks == 0 or not self.tiers
-        self._defer = defer_cascade
-        self._busy = False
-        self._busy_since = self._idle_since = 0.0
-        self._urgent = 0  # flushes waiting: the cascade then writes at once
         self._closed = False
-        self._cascade_thread = threading.Thread(target=self._run_cascade, name="hpkv-cascade", daemon=True)
-        self._cascade_thread.start()
+        self._cascade = Cascade(
+            config.cascade_queue_chunks,
+            len(self.ranks),
+            self._slow_of_rank,
+            self.record_key,
+            self._slot_record,
+            lambda slot: self.unpin([slot]),
+            defer=defer_cascade,
+        )
 
     # -- tiers ------------------------------------------------------------------------
 
@@ -493,39 +482,15 @@ class Catalog:
         and queue it for the slower tiers unless every rank's tiers are known to hold it. False
         (and the slot freed) if another writer committed ``lk`` first or the memory tier was reset
         since the slot was reserved."""
-        cascade = self._needs_cascade(lk, tenant)
+        cascade = bool(self.tiers) and self._cascade.needed(lk, tenant)
         with self._lock:
             if not self._commit_locked(slot, lk, keep_pin=cascade):
                 return False
         self._mem_stats.add("writes")
         self._mem_stats.add("bytes_written", self.payload_bytes)
         if cascade:
-            self._queue(lk, slot, tenant)
+            self._cascade.submit(lk, slot, tenant)
         return True
-
-    def _needs_cascade(self, lk: bytes, tenant: str) -> bool:
-        """Whether a slower tier may lack ``lk`` (then it is queued, or counted as skipped)."""
-        return bool(self.tiers) and not all(
-            t.held(self.record_key(i, lk), tenant)
-            for i in range(len(self.ranks))
-            for t in self._slow_of_rank(i)
-        )
-
-    def _queue(self, lk: bytes, source: Source, tenant: str) -> bool:
-        """Queue a write to the slower tiers (a slot's pin passes to the cascade); never blocks:
-        a full queue (or none: ``cascade_queue_chunks=0``) drops it, counted on each slower tier."""
-        try:
-            if self._cascade_off:
-                raise queue.Full
-            self._cascade.put_nowait((lk, source, tenant))
-            return True
-        except queue.Full:
-            if isinstance(source, int):
-                self.unpin([source])
-            for i in range(len(self.ranks)):
-                for t in self._slow_of_rank(i):
-                    t.count("writes_skipped")
-            return False
 
     def _commit_locked(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool:
         """Under the lock: make ``slot`` visible as ``lk``, unless the memory tier was reset since
@@ -560,8 +525,8 @@ class Catalog:
             with self._lock:
                 present = self._index.pin(lk)
             if present is not None:
-                if self._needs_cascade(lk, tenant):
-                    self._queue(lk, present, tenant)
+                if self.tiers and self._cascade.needed(lk, tenant):
+                    self._cascade.submit(lk, present, tenant)
                 else:
                     self.unpin([present])
                 return True
@@ -592,70 +557,19 @@ class Catalog:
         produce(i, payload)
         del payload  # the buffer must have no exports left when the cascade hands it to a tier
         record.seal(memoryview(buf), self.rank_digests[0], rk, self.payload_bytes)
-        return self._queue(lk, buf, tenant)
-
-    def _run_cascade(self) -> None:
-        # Write-behind is never urgent: where it shares cores with the model (vLLM's CPU build),
-        # it must take the CPU only when the model does not need it.
-        background_priority(CASCADE_NICE)
-        while True:
-            item = self._cascade.get()
-            try:
-                if item is None:
-                    return
-                lk, source, tenant = item
-                while not self._may_write():
-                    time.sleep(0.005)
-                for i in range(len(self.ranks)):
-                    if isinstance(source, int):
-                        off = source * self.slot_bytes
-                        rec = self.pools[i].view[off : off + self.record_bytes]
-                    else:
-                        rec = memoryview(source)
-                    rk = self.record_key(i, lk)
-                    for tier in self._slow_of_rank(i):
-                        try:
-                            tier.write(rk, rec, tenant)
-                        except Exception:  # a tier bug must not kill the writer thread
-                            log.exception("hpkv: cascade write to %s failed", tier.name)
-                            tier.count("errors")
-                if isinstance(source, int):
-                    self.unpin([source])
-            finally:
-                self._cascade.task_done()
+        return self._cascade.submit(lk, buf, tenant)
 
     def engine_busy(self, busy: bool) -> None:
-        """The engine started (True) or finished (False) a step that computes. With
-        ``defer_cascade`` the cascade writes only once the engine has been idle for
-        CASCADE_IDLE_S, or when its queue is half full, or a step has run for CASCADE_DEFER_MAX_S:
-        where tier work and the model share the CPU (vLLM's CPU build), write-behind then costs
-        a prefill nothing; under sustained load it still runs (and a full queue still drops)."""
-        now = time.monotonic()
-        if busy and not self._busy:
-            self._busy_since = now
-        elif not busy and self._busy:
-            self._idle_since = now
-        self._busy = busy
+        """The engine started (True) or finished (False) a computing step (see :class:`Cascade`)."""
+        self._cascade.engine_busy(busy)
 
-    def _may_write(self) -> bool:
-        if not self._defer or self._urgent or self._closed:
-            return True
-        if self._cascade.qsize() >= self._cascade.maxsize // 2:
-            return True
-        now = time.monotonic()
-        if self._busy:
-            return now - self._busy_since > CASCADE_DEFER_MAX_S
-        return now - self._idle_since >= CASCADE_IDLE_S
+    def _slot_record(self, i: int, slot: int) -> memoryview:
+        off = slot * self.slot_bytes
+        return self.pools[i].view[off : off + self.record_bytes]
 
     def flush(self) -> None:
         """Wait for every queued cascade write and every running promotion."""
-        with self._lock:
-            self._urgent += 1
-        try:
-            self._cascade.join()
-        finally:
-            with self._lock:
-                self._urgent -= 1
+        self._cascade.flush()
         with self._lock:
             pending = list(self._staging.values())
         for f in pending:
@@ -692,7 +606,7 @@ class Catalog:
                 capacity_bytes=self.num_slots * self.payload_bytes * n,
                 chunks=used,
                 pinned_slots=pinned,
-                cascade_pending=self._cascade.qsize(),
+                cascade_pending=self._cascade.pending(),
             )
         for name, ts in self.tiers.items():
             per = [t.stats() for t in ts]
@@ -720,9 +634,8 @@ class Catalog:
         if self._closed:
             return
         self._closed = True
+        self._cascade.close()
         self.flush()
-        self._cascade.put(None)
-        self._cascade_thread.join(timeout=30)
         self._io.shutdown(wait=True)
         # Remote workers first: a worker's last job may still reference its buffer (a slice of a
         # pool) until the worker ends, and a mapping with a live export cannot be closed.
