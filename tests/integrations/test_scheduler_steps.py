@@ -16,6 +16,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm import SamplingParams
+from vllm.v1.request import Request
 
 from hpkv import HpkvConfig
 from hpkv.core import record
@@ -25,10 +27,6 @@ from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta
 from hpkv.integrations.vllm.scheduler import HpkvScheduler
 from hpkv.tiers.memory.pool import slot_bytes
 from tests.conftest import SMALL, random_tokens
-
-pytest.importorskip("vllm")
-from vllm import SamplingParams
-from vllm.v1.request import Request
 
 BLOCK = 16
 CHUNK = 32  # two blocks per chunk

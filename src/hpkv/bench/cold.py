@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             s.start()
         for s in servers.values():  # warm both: the first request after a start pays one-off costs
             s.complete(fresh_prompts(model, 1, 256, seed=999_999)[0])
-        _settle(servers["hpkv"])
+        settle(servers["hpkv"])
         rows: dict[str, list[float]] = {"hpkv": [], "none": []}
         per_round: list[dict[str, float]] = []
         invalid: list[str] = []
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = s.settled_stats() if name == "hpkv" else None
                 times = [s.complete(p)[0] for p in prompts]
                 if name == "hpkv":
-                    after = _settle(s)
+                    after = settle(s)
                     stored = counter(after, "connector", "stored_tokens") - counter(
                         before or {}, "connector", "stored_tokens"
                     )
@@ -144,20 +144,18 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _settle(s: Server) -> dict[str, Any]:
-    """hpkv's counters once its loads, stores and cascade writes are done (nothing queued)."""
+def settle(s: Server) -> dict[str, Any]:
+    """hpkv's counters once its loads, stores and cascade writes are done (nothing queued or
+    pinned), or after 120 s."""
     deadline = time.monotonic() + 120
     while True:
         st = s.settled_stats()
-        if not st.get("tiers", {}).get("memory", {}).get("cascade_pending", 0) and not _pinned(st):
-            return st
-        if time.monotonic() > deadline:
+        mem = st.get("tiers", {}).get("memory", {})
+        if (
+            not mem.get("cascade_pending", 0) and not mem.get("pinned_slots", 0)
+        ) or time.monotonic() > deadline:
             return st
         time.sleep(0.05)
-
-
-def _pinned(st: dict[str, Any]) -> int:
-    return int(st.get("tiers", {}).get("memory", {}).get("pinned_slots", 0))
 
 
 def _report(

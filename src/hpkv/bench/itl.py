@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from hpkv.bench.cold import fresh_prompts
+from hpkv.bench.cold import fresh_prompts, settle
 from hpkv.bench.refs import drop_page_cache
 from hpkv.bench.server import Server, counter
 from hpkv.bench.ttft import model_dtype
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         s.start()
         for p in loads:  # stored to memory, storage and valkey
             s.complete(p)
-        _settled(s)
+        settle(s)
 
         def reset() -> None:
             s.reset_prefix_cache(external=True)
@@ -198,13 +198,3 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "itl.json"), "w") as f:
         json.dump({"results": results, "proofs": proofs}, f, indent=1)
     return 0
-
-
-def _settled(s: Server) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        st = s.settled_stats()
-        mem = st.get("tiers", {}).get("memory", {})
-        if not mem.get("cascade_pending", 0) and not mem.get("pinned_slots", 0):
-            return
-        time.sleep(0.05)

@@ -261,9 +261,6 @@ class Catalog:
             out[cut:] = [None] * (len(out) - cut)
         return out
 
-    def where(self, lk: bytes) -> str | None:
-        return self.locate([lk])[0]
-
     # -- promotion (a slower tier -> memory) -------------------------------------------
 
     def stage(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[Future[bool]]:
