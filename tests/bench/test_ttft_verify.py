@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from hpkv.bench.verify import Expect, verify_engine, verify_hpkv
+import pytest
+
+from hpkv.bench.report import print_system, resolved
+from hpkv.bench.verify import Expect, Row, System, verify_engine, verify_hpkv
 
 E = Expect(prompts=2, chunks=4, tokens=1100, block_size=64)
 
@@ -91,3 +94,24 @@ def test_a_failed_start_is_reported_by_its_root_cause() -> None:
     )
     assert _first_error(log).startswith("RuntimeError: Worker failed with error 'CPU Offloading")
     assert _first_error("no exception here") == "no exception here"
+
+
+def _row(name: str, ttfts: list[float]) -> Row:
+    return Row(name, ttfts, True, "proof")
+
+
+def test_a_hit_row_within_the_gpu_rows_noise_claims_no_load_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = _row("gpu", [0.040, 0.041, 0.043, 0.045, 0.050, 0.042])
+    close = _row("memory", [0.042, 0.044, 0.046, 0.048, 0.041, 0.047])  # median above, quartiles overlap
+    far = _row("storage", [0.090, 0.095, 0.1, 0.11, 0.092, 0.094])
+    assert not resolved(close, gpu) and resolved(far, gpu)
+    x = System("hpkv", rows=[_row("prefill", [0.2] * 6), gpu, close, far])
+    x.refs = {"memory": ("pinned H2D", 50.0), "storage": ("raw read", 1.0)}
+    print_system(x, 448 << 20, False)
+    out = capsys.readouterr().out
+    memory = next(ln for ln in out.splitlines() if ln.startswith("memory"))
+    storage = next(ln for ln in out.splitlines() if ln.startswith("storage"))
+    assert "unresolved" in memory and "GB/s" not in memory
+    assert "GB/s" in storage and "0.0900-0.1100" in storage  # the spread, min-max
+    assert "x!" in storage and "above the reference" in out  # 8.9 GB/s over a 1 GB/s reference
+    assert "middle halves" in out

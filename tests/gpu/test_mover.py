@@ -220,3 +220,26 @@ def test_load_time_is_the_copy_not_the_enqueue(pool: ShmPool, layerwise: bool) -
         assert mover.finish_loads() is None
     finally:
         mover.close()
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_warm_up_leaves_the_kv_unchanged_and_the_buffers_ready(layerwise: bool) -> None:
+    """The start-time warm-up (kernels compiled, staging allocated, so the first request does not pay)
+    round-trips block 0 through staging: every byte of the KV is as before."""
+    _, caches, _, mover = _setup("token-major", 16, torch.bfloat16, "cuda", False, layerwise)
+    try:
+        fill_random(caches, seed=11)
+        before = [c.clone() for c in caches]
+        assert mover.warm_up(CHUNK) > 0
+        assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
+        assert {"load0", "load1", "store0", "store1"} <= set(mover._staging)
+        assert mover.warm_up(CHUNK) >= 0  # again: nothing reallocated, still unchanged
+        assert all(torch.equal(a, b) for a, b in zip(before, caches, strict=True))
+    finally:
+        mover.close()
+
+
+def test_warm_up_is_nothing_on_cpu() -> None:
+    _, _, _, mover = _setup("cpu", 16, torch.bfloat16, "cpu", False)
+    assert mover.warm_up(CHUNK) == 0.0

@@ -4,6 +4,7 @@ root cause of a system that could not start."""
 from __future__ import annotations
 
 import re
+import statistics
 
 from hpkv.bench.verify import HITS, SCENARIOS, Row, System
 
@@ -35,20 +36,50 @@ def print_system(x: System, kv_bytes: int, label: bool) -> None:
     base = next((r for r in x.rows if r.scenario == "prefill"), None)
     gpu = next((r for r in x.rows if r.scenario == "gpu"), None)
     print(
-        f"{'scenario':12} {'mean TTFT':>10} {'median':>9} {'speedup':>9} {'load rate':>11} "
+        f"{'scenario':12} {'mean TTFT':>10} {'median':>9} {'min-max':>15} {'speedup':>9} {'load rate':>11} "
         f"{'x ref':>6}  proof"
     )
+    notes = set()
     for r in x.rows:
         sp = f"{base.mean / r.mean:8.2f}x" if base and r.valid else "        -"
         rate, vs = "", ""
         if r.scenario in HITS and gpu and r.valid and r.median > gpu.median:
-            gbps = kv_bytes / (r.median - gpu.median) / 1e9
-            rate = f"{gbps:6.2f} GB/s"
-            if x.refs.get(r.scenario, ("", 0.0))[1] > 0:
-                vs = f"{gbps / x.refs[r.scenario][1]:5.2f}x"
-        print(f"{r.scenario:12} {r.mean:9.4f}s {r.median:8.4f}s {sp} {rate:>11} {vs:>6}  {r.proof}")
+            if not resolved(r, gpu):
+                rate = "unresolved"
+                notes.add("unresolved")
+            else:
+                gbps = kv_bytes / (r.median - gpu.median) / 1e9
+                rate = f"{gbps:6.2f} GB/s"
+                if x.refs.get(r.scenario, ("", 0.0))[1] > 0:
+                    ratio = gbps / x.refs[r.scenario][1]
+                    vs = f"{ratio:5.2f}x" + ("!" if ratio > 1 else "")
+                    if ratio > 1:
+                        notes.add("above")
+        spread = f"{min(r.ttfts):.4f}-{max(r.ttfts):.4f}"
+        print(
+            f"{r.scenario:12} {r.mean:9.4f}s {r.median:8.4f}s {spread:>15} {sp} {rate:>11} {vs:>6}  {r.proof}"
+        )
+    if "unresolved" in notes:
+        print(
+            "unresolved: the row's and the GPU-hit row's middle halves (25th-75th percentile) overlap, so "
+            "their difference is noise and no load rate is claimed; run more --prompts"
+        )
+    if "above" in notes:
+        print(
+            "!: above the reference: the row loads fewer bytes than a whole prompt's KV in the time "
+            "measured (the GPU-hit row also computes the last block), or the medians' difference is "
+            "within the spread"
+        )
     for s, why in x.skipped:
         print(f"{s:12} skipped: {why}")
+
+
+def resolved(hit: Row, gpu: Row) -> bool:
+    """Whether a hit row's distance from the GPU-hit row is above the noise: the hit row's 25th
+    percentile above the GPU-hit row's 75th."""
+    if len(hit.ttfts) < 4 or len(gpu.ttfts) < 4:
+        return min(hit.ttfts) > max(gpu.ttfts)
+    return statistics.quantiles(hit.ttfts, n=4)[0] > statistics.quantiles(gpu.ttfts, n=4)[2]
 
 
 def print_comparison(results: list[System]) -> None:

@@ -57,7 +57,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hpkv.bench.demo_model import SIZES
-from hpkv.bench.refs import drop_page_cache, memcpy_gbps, raw_glide_gbps, raw_read_gbps
+from hpkv.bench.refs import drop_page_cache, memory_reference, raw_glide_gbps, raw_read_gbps
 from hpkv.bench.report import chart, first_error, kv_bytes_per_prompt, print_comparison, print_system
 from hpkv.bench.server import Server, ServerError
 from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, delta, verify_engine, verify_hpkv
@@ -156,16 +156,24 @@ def random_prompts(model: str, n: int, tokens: int) -> list[str]:
     return [" ".join(random.Random(1000 + i).choice(words) for _ in range(tokens)) for i in range(n)]
 
 
-PEER_JSON = {
-    "none": "",
-    "native": json.dumps(
-        {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 2 << 30},
-        }
-    ),
-}
+def peer_json(system: str, pool_size: str) -> str | None:
+    """The ``--kv-transfer-config`` of a peer without its own server: vLLM's native
+    OffloadingConnector gets the same CPU capacity as hpkv's memory pool (``--pool-size``)."""
+    from hpkv.core.units import parse_size
+
+    if system == "none":
+        return ""
+    if system == "native":
+        return json.dumps(
+            {
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"cpu_bytes_to_use": parse_size(pool_size)},
+            }
+        )
+    return None
+
+
 NEEDS_LOCAL = {
     "storage": "needs an engine restart",
     "storage-cold": "needs the storage files on this machine",
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(_Runner(args, name, model, prompts, expect, log).run(scenarios))
 
     kv_bytes = max((kv_bytes_per_prompt(x.rows, args.prompts) for x in results), default=0)
-    ref = memcpy_gbps(kv_bytes or (48 << 20))
+    ref_what, ref = memory_reference(kv_bytes or (48 << 20))
     print()
     print(
         f"hpkv bench ttft: {args.prompts} {args.prompt_kind} prompts x {args.tokens} tokens, "
@@ -248,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for x in results:
         if x.name == "hpkv" or "memory" not in x.refs:
-            x.refs.setdefault("memory", ("single-thread memcpy of one prompt's KV", ref))
+            x.refs.setdefault("memory", (ref_what, ref))
         print_system(x, kv_bytes, len(results) > 1)
     print(
         "load rate = KV bytes per prompt / (median TTFT - median GPU-hit TTFT); x ref = load rate / the "
@@ -267,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "prompt_kind": args.prompt_kind,
         "kv_bytes_per_prompt": kv_bytes,
-        "memcpy_gbps": ref,
+        "memory_reference": {"what": ref_what, "gbps": ref},
         "systems": [
             {
                 "name": x.name,
@@ -318,10 +326,13 @@ class _Runner:
 
     def plan(self, scenarios: list[str]) -> list[str]:
         todo = list(scenarios)
-        if self.system in ("none", "native"):  # no tiers below the engine's own cache to prove
-            for s in [s for s in todo if s in HITS]:
-                self.out.skipped.append((s, f"no KV connector tier in a '{self.system}' run"))
-            todo = [s for s in todo if s not in HITS]
+        # vLLM alone has no tier below its own cache; native has one, CPU memory (proven by vLLM's
+        # connector counters, as LMCache's rows are).
+        own = {"none": (), "native": ("memory",)}.get(self.system)
+        if own is not None:
+            for s in [s for s in todo if s in HITS and s not in own]:
+                self.out.skipped.append((s, f"no such KV connector tier in a '{self.system}' run"))
+            todo = [s for s in todo if s not in HITS or s in own]
         if self.args.url is not None:
             for s in [s for s in todo if s in NEEDS_LOCAL or (s in HITS and self.system != "hpkv")]:
                 self.out.skipped.append((s, f"{NEEDS_LOCAL.get(s, 'needs a restart')} (run with --model)"))
@@ -408,7 +419,7 @@ class _Runner:
             "--max-num-batched-tokens", "2048",
             "--dtype", model_dtype(self.model),
         ] + (args.vllm_args.split() if args.vllm_args else [])  # fmt: skip
-        connector = PEER_JSON.get(self.system)
+        connector = peer_json(self.system, args.pool_size)
         if self.system == "lmcache":
             from hpkv.bench.peers import LMCacheServer, lmcache_connector, lmcache_python
 
@@ -490,7 +501,7 @@ class _Runner:
         if name == "memory":
             if not self.args.skip_reset:
                 server.reset_prefix_cache()
-            where = "LMCache's L1 (shared memory)"
+            where = "vLLM's CPU offload pool" if self.system == "native" else "LMCache's L1 (shared memory)"
         elif name == "storage":
             bar.write(f"[{self.system}] restarting (engine cache and memory empty, storage kept)")
             self._restart()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -101,6 +102,34 @@ class Mover:
             self._thread = threading.Thread(target=self._complete, name="hpkv-mover", daemon=True)
             self._thread.start()
 
+    def warm_up(self, chunk_tokens: int) -> float:
+        """Compile the copy kernels and allocate the staging buffers now, at start, so that the first
+        request does not pay for them (seconds on a GPU). Gathers block 0 into a staging buffer and
+        scatters the same bytes back (block 0 is vLLM's reserved null block; the round trip leaves it
+        unchanged), whole and per layer. Returns the seconds it took; CPU: nothing to do."""
+        if not self.cuda:
+            return 0.0
+        t0 = time.perf_counter()
+        bs = self.paged.block_size
+        nb = max(1, chunk_tokens // bs)
+        zeros = [0] * nb
+        spec = [(zeros, 0, nb * bs)]
+        nbytes = self.paged.layout.chunk_bytes(nb * bs)
+        for name in ("load1", "store0", "store1"):
+            rows = STORE_GROUP_CHUNKS if name.startswith("store") else GROUP_CHUNKS
+            self._buffer(name, rows, nbytes, self.scatter_stream)
+        with torch.cuda.stream(self.scatter_stream):
+            buf = self._buffer("load0", GROUP_CHUNKS, nbytes, self.scatter_stream)[:1]
+            self.paged.gather_many(buf, [zeros])
+            self.paged.scatter_many(buf, spec)
+            if self.layerwise:
+                per_layer = nbytes // self.paged.layout.num_layers
+                lbuf = self._buffer("layer0", 1, per_layer, self.scatter_stream)
+                lbuf.copy_(buf[0, :per_layer].view(1, per_layer))
+                self.paged.scatter_layer(0, lbuf, spec)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
+
     # -- the pool ----------------------------------------------------------------------
 
     def attach_pool(self, pool_tensor: torch.Tensor) -> None:
@@ -108,10 +137,15 @@ class Mover:
         if not self.cuda or self._registered is pool_tensor:
             return
         self.detach_pool()
+        t0 = time.perf_counter()
         why = cuda_host_register(pool_tensor)
         if why is None:
             self._registered, self.pinned = pool_tensor, True
-            log.info("hpkv: memory pool (%.1f GiB) registered with CUDA", pool_tensor.numel() / 2**30)
+            log.info(
+                "hpkv: memory pool (%.1f GiB) registered with CUDA in %.0f ms",
+                pool_tensor.numel() / 2**30,
+                (time.perf_counter() - t0) * 1e3,
+            )
         else:
             self.pinned = False
             log.warning(

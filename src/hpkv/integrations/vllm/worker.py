@@ -60,6 +60,9 @@ class HpkvWorker:
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
         self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
         self.mover = Mover(self.paged, layerwise=self.layerwise)
+        took = self.mover.warm_up(self.chunk_size)
+        if took and self.rank == 0:
+            log.info("hpkv: GPU copy kernels compiled and staging allocated in %.0f ms", took * 1e3)
 
     def _attach(self, meta: HpkvMeta) -> ShmPool | None:
         if not meta.pool_paths:
