@@ -23,7 +23,6 @@ import random
 import shutil
 import statistics
 import tempfile
-import time
 from typing import Any
 
 from hpkv.bench.server import Server, ServerError, counter
@@ -98,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             s.start()
         for s in servers.values():  # warm both: the first request after a start pays one-off costs
             s.complete(fresh_prompts(model, 1, 256, seed=999_999)[0])
-        settle(servers["hpkv"])
+        servers["hpkv"].drained_stats()
         rows: dict[str, list[float]] = {"hpkv": [], "none": []}
         per_round: list[dict[str, float]] = []
         invalid: list[str] = []
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 before = s.settled_stats() if name == "hpkv" else None
                 times = [s.complete(p)[0] for p in prompts]
                 if name == "hpkv":
-                    after = settle(s)
+                    after = s.drained_stats()
                     stored = counter(after, "connector", "stored_tokens") - counter(
                         before or {}, "connector", "stored_tokens"
                     )
@@ -142,20 +141,6 @@ def main(argv: list[str] | None = None) -> int:
             valkey.stop()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
-
-
-def settle(s: Server) -> dict[str, Any]:
-    """hpkv's counters once its loads, stores and cascade writes are done (nothing queued or
-    pinned), or after 120 s."""
-    deadline = time.monotonic() + 120
-    while True:
-        st = s.settled_stats()
-        mem = st.get("tiers", {}).get("memory", {})
-        if (
-            not mem.get("cascade_pending", 0) and not mem.get("pinned_slots", 0)
-        ) or time.monotonic() > deadline:
-            return st
-        time.sleep(0.05)
 
 
 def _report(

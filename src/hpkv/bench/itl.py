@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from hpkv.bench.cold import fresh_prompts, settle
+from hpkv.bench.cold import fresh_prompts
 from hpkv.bench.refs import drop_page_cache
 from hpkv.bench.server import Server, counter
 from hpkv.bench.ttft import model_dtype
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         s.start()
         for p in loads:  # stored to memory, storage and valkey
             s.complete(p)
-        settle(s)
+        s.drained_stats()
 
         def reset() -> None:
             s.reset_prefix_cache(external=True)

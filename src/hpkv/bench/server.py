@@ -178,6 +178,21 @@ class Server:
                 raise ServerError(f"hpkv's counters did not settle within {timeout:.0f} s (last: {doc})")
             time.sleep(0.02)
 
+    def drained_stats(self, timeout: float = 120.0) -> dict[str, Any]:
+        """hpkv's counters once its loads, stores and write-behind are done (nothing queued for the
+        lower tiers, no slot pinned), or after ``timeout`` seconds. Before stopping a server whose
+        tiers a later start must find whole: vLLM stops its engine without waiting by default
+        (``--shutdown-timeout 0``), and what the write-behind had not written is then lost."""
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.settled_stats()
+            mem = st.get("tiers", {}).get("memory", {})
+            if (
+                not mem.get("cascade_pending", 0) and not mem.get("pinned_slots", 0)
+            ) or time.monotonic() > deadline:
+                return st
+            time.sleep(0.05)
+
     def metrics_stats(self) -> dict[str, Any]:
         """hpkv's counters from the server's Prometheus endpoint, summed over engine processes."""
         from prometheus_client.parser import text_string_to_metric_families

@@ -469,6 +469,8 @@ class _Runner:
         """Restart the engine (and LMCache's server: its L1 empties); optionally empty the storage tier
         first or drop its files from the page cache, and give LMCache only its Valkey adapter."""
         assert self.server is not None
+        if self.system == "hpkv":  # what the tiers must hold after the restart is written first
+            self.server.drained_stats()
         self.server.stop()
         if self.lmcache is not None:
             self.lmcache.stop()
