@@ -77,8 +77,8 @@ def test_peers_side_by_side(demo_model: str, tmp_path: Any, capsys: Any) -> None
     none, native, lmcache = res["systems"]
     assert [r["scenario"] for r in none["rows"]] == ["prefill", "gpu"]
     assert none["skipped"] == [
-        ["memory", "no KV connector tier in a 'none' run"],
-        ["storage", "no KV connector tier in a 'none' run"],
+        ["memory", "no such KV connector tier in a 'none' run"],
+        ["storage", "no such KV connector tier in a 'none' run"],
     ]
     assert native["error"] and not native["rows"]
     assert "== native ==" in text and "could not run here" in text

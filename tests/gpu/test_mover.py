@@ -104,8 +104,8 @@ def test_round_trip_pool_paged_pool(
     layout, caches, paged, mover = _setup(kind, bs, dtype, device, mla, layerwise)
     try:
         mover.attach_pool(pool.tensor)
-        if device == "cuda":  # page-locked in place (on a thread), not a pageable fallback
-            assert mover.wait_registered() and pool.tensor.is_pinned()
+        if device == "cuda":
+            assert mover.pinned and pool.tensor.is_pinned()  # page-locked in place, not pageable
         fill_random(caches, seed=bs)
         cpu_paged = PagedKV([c.cpu() for c in caches], bs, layout, paged.backend)
         g = torch.Generator().manual_seed(7 + bs)

@@ -86,7 +86,6 @@ class Mover:
         self.layerwise = layerwise and self.cuda
         self.pinned = False
         self._registered: torch.Tensor | None = None
-        self._registering: threading.Thread | None = None
         self._layer_events: list[Any] = []
         self._pending_load: Any = None
         self._load_timing: tuple[Any, Any] | None = None  # (started, done) of the loads in flight
@@ -134,51 +133,34 @@ class Mover:
     # -- the pool ----------------------------------------------------------------------
 
     def attach_pool(self, pool_tensor: torch.Tensor) -> None:
-        """Register the pool's memory with CUDA (once per pool), on a thread: page-locking a pool of
-        several GiB takes seconds (2.1 s for 8 GiB on the H200), which the first request would
-        otherwise wait for. Until it is done, copies read and write the pool as pageable memory
-        (correct, slower). No-op on CPU."""
+        """Register the pool's memory with CUDA (once per pool); no-op on CPU. Page-locking takes
+        1.5-2.3 s for 8 GiB on the H200, paid by the first request after a start; doing it on a
+        thread did not help there (the engine's CUDA calls waited for it), so it stays here and is
+        timed in the log."""
         if not self.cuda or self._registered is pool_tensor:
             return
         self.detach_pool()
-        self._registered, self.pinned = pool_tensor, False
-        self._registering = threading.Thread(
-            target=self._register, args=(pool_tensor,), name="hpkv-host-register", daemon=True
-        )
-        self._registering.start()
-
-    def _register(self, pool_tensor: torch.Tensor) -> None:
-        torch.cuda.set_device(self.device)
         t0 = time.perf_counter()
         why = cuda_host_register(pool_tensor)
         if why is None:
-            self.pinned = True
+            self._registered, self.pinned = pool_tensor, True
             log.info(
-                "hpkv: memory pool (%.1f GiB) registered with CUDA in %.0f ms (in the background)",
+                "hpkv: memory pool (%.1f GiB) registered with CUDA in %.0f ms",
                 pool_tensor.numel() / 2**30,
                 (time.perf_counter() - t0) * 1e3,
             )
         else:
+            self.pinned = False
             log.warning(
                 "hpkv: could not page-lock the memory pool for CUDA (%s); copies fall back to pageable "
                 "memory, several times slower. Check the locked-memory limit (ulimit -l).",
                 why,
             )
 
-    def wait_registered(self) -> bool:
-        """Wait for the pool's registration; whether the pool is page-locked."""
-        if self._registering is not None:
-            self._registering.join()
-        return self.pinned
-
     def detach_pool(self) -> None:
-        if self._registering is not None:
-            self._registering.join()
-            self._registering = None
         if self._registered is not None:
             torch.cuda.synchronize(self.device)
-            if self.pinned:
-                cuda_host_unregister(self._registered)
+            cuda_host_unregister(self._registered)
             self._registered, self.pinned = None, False
 
     # -- loads -------------------------------------------------------------------------
