@@ -115,3 +115,24 @@ def test_a_hit_row_within_the_gpu_rows_noise_claims_no_load_rate(capsys: pytest.
     assert "GB/s" in storage and "0.0900-0.1100" in storage  # the spread, min-max
     assert "x!" in storage and "above the reference" in out  # 8.9 GB/s over a 1 GB/s reference
     assert "middle halves" in out
+
+
+def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
+    import argparse
+
+    from hpkv.bench.ttft import SYSTEMS, _Runner
+
+    assert "hpkv-layerwise" in SYSTEMS
+    args = argparse.Namespace(url=None)
+    hits = ["prefill", "gpu", "memory", "storage", "valkey"]
+    lw = _Runner(args, "hpkv-layerwise", None, [], E, [])
+    none = _Runner(args, "none", None, [], E, [])
+    try:
+        assert lw.hpkv and lw.plan(hits) == hits  # every tier row, proven by hpkv's counters
+        assert not none.hpkv and none.plan(hits) == ["prefill", "gpu"]
+    finally:
+        import shutil
+
+        for r in (lw, none):
+            shutil.rmtree(r.shm, ignore_errors=True)
+            shutil.rmtree(r.work, ignore_errors=True)

@@ -179,7 +179,8 @@ NEEDS_LOCAL = {
     "storage-cold": "needs the storage files on this machine",
     "valkey": "needs an engine restart",
 }
-SYSTEMS = ("hpkv", "none", "native", "lmcache")
+SYSTEMS = ("hpkv", "hpkv-layerwise", "none", "native", "lmcache")
+# hpkv-layerwise: hpkv with HPKV_LAYERWISE_LOAD=true (on CUDA each layer is loaded, then attended to)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         f"model {model or args.url}, block size {args.block_size}, KV per prompt {kv_bytes / 2**20:.1f} MiB"
     )
     for x in results:
-        if x.name == "hpkv" or "memory" not in x.refs:
+        if x.name.startswith("hpkv") or "memory" not in x.refs:
             x.refs.setdefault("memory", (ref_what, ref))
         print_system(x, kv_bytes, len(results) > 1)
     print(
@@ -294,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"every request: {path}")
     drawn = chart(results, os.path.join(args.out, "ttft.png"))
     print(f"chart: {drawn}")
-    hp = next((x for x in results if x.name == "hpkv"), None)
-    return 0 if hp is None or (not hp.error and all(r.valid for r in hp.rows)) else 1
+    ours = [x for x in results if x.name.startswith("hpkv")]
+    return 0 if all(not x.error and all(r.valid for r in x.rows) for x in ours) else 1
 
 
 class _Runner:
@@ -314,6 +315,7 @@ class _Runner:
         self.args, self.system, self.model, self.prompts, self.expect, self.log = (
             args, system, model, prompts, expect, log,
         )  # fmt: skip
+        self.hpkv = system.startswith("hpkv")  # hpkv or a variant of it (its own settings, same proofs)
         self.out = System(system)
         self.work = tempfile.mkdtemp(prefix="hpkv-bench-ttft-")
         self.shm = tempfile.mkdtemp(prefix="hpkv-bench-", dir="/dev/shm")
@@ -334,9 +336,9 @@ class _Runner:
                 self.out.skipped.append((s, f"no such KV connector tier in a '{self.system}' run"))
             todo = [s for s in todo if s not in HITS or s in own]
         if self.args.url is not None:
-            for s in [s for s in todo if s in NEEDS_LOCAL or (s in HITS and self.system != "hpkv")]:
+            for s in [s for s in todo if s in NEEDS_LOCAL or (s in HITS and not self.hpkv)]:
                 self.out.skipped.append((s, f"{NEEDS_LOCAL.get(s, 'needs a restart')} (run with --model)"))
-            todo = [s for s in todo if s not in NEEDS_LOCAL and (s not in HITS or self.system == "hpkv")]
+            todo = [s for s in todo if s not in NEEDS_LOCAL and (s not in HITS or self.hpkv)]
         return todo
 
     def run(self, scenarios: list[str]) -> System:
@@ -360,7 +362,7 @@ class _Runner:
                         self.args.pause,
                         expect,
                         self.log,
-                        hpkv=self.system == "hpkv",
+                        hpkv=self.hpkv,
                         keyspace=self.valkey.keyspace_hits if self.valkey and name == "valkey" else None,
                         progress=bar,
                         where=where,
@@ -368,7 +370,7 @@ class _Runner:
                     for entry in self.log[-len(self.prompts) :]:
                         entry["system"] = self.system
                     self.out.rows.append(row)
-                    if self.system == "hpkv" and row.valid:
+                    if self.hpkv and row.valid:
                         self._reference(name)
         except (ServerError, RuntimeError, OSError) as e:
             self.out.error = self.out.error or first_error(str(e))
@@ -401,14 +403,16 @@ class _Runner:
                 "VLLM_SERVER_DEV_MODE": "1",
             }
         )
-        wants_valkey = "valkey" in todo and self.system in ("hpkv", "lmcache")
-        if self.system == "hpkv" and args.remote_url:
+        if self.system == "hpkv-layerwise":
+            env["HPKV_LAYERWISE_LOAD"] = "true"
+        wants_valkey = "valkey" in todo and (self.hpkv or self.system == "lmcache")
+        if self.hpkv and args.remote_url:
             env["HPKV_REMOTE_URL"] = args.remote_url
         elif wants_valkey:
             from hpkv.bench.valkey import ValkeyServers
 
             self.valkey = ValkeyServers(directory=os.path.join(self.work, "valkey")).start()
-            if self.system == "hpkv":
+            if self.hpkv:
                 env["HPKV_REMOTE_URL"] = self.valkey.url
         # The same thread binding for every run: vLLM-CPU's automatic binding changes the number of
         # compute threads when a connector is configured, which would skew comparisons.
@@ -469,7 +473,7 @@ class _Runner:
         """Restart the engine (and LMCache's server: its L1 empties); optionally empty the storage tier
         first or drop its files from the page cache, and give LMCache only its Valkey adapter."""
         assert self.server is not None
-        if self.system == "hpkv":  # what the tiers must hold after the restart is written first
+        if self.hpkv:  # what the tiers must hold after the restart is written first
             self.server.drained_stats()
         self.server.stop()
         if self.lmcache is not None:
