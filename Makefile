@@ -6,8 +6,11 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/
 # Peers for `make compare` and the e2e comparison test (LMCache), in their own venv layered over .venv.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# SGLang for the HiCache backend's tests, the same way (its wheel pins another torch: --no-deps over .venv's).
+SGL := .venv-sglang
+SGL_STAMP := $(SGL)/.installed-$(shell cat requirements-sglang.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
+.PHONY: venv sglang test-sglang bench-sglang test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -28,12 +31,13 @@ tls-server:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) || \
 	  echo "could not install redis-server: the TLS test will fail; install it (apt-get install redis-server)"
 
-# Everything: unit tests, then the end-to-end tests against a real vLLM server.
-test: $(STAMP) tls-server $(PEERS_STAMP)
-	$(BIN)/python -m pytest -q tests
+# Everything: unit tests, the end-to-end tests against a real vLLM server, then SGLang's controller over hpkv.
+test: $(STAMP) tls-server $(PEERS_STAMP) $(SGL_STAMP)
+	$(BIN)/python -m pytest -q tests --ignore=tests/sglang
+	$(SGL)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
 test-unit: $(STAMP) tls-server
-	$(BIN)/python -m pytest -q tests --ignore=tests/e2e
+	$(BIN)/python -m pytest -q tests --ignore=tests/e2e --ignore=tests/sglang
 
 test-e2e: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m pytest -q tests/e2e
@@ -56,6 +60,24 @@ $(PEERS_STAMP): $(STAMP)
 	touch $@
 
 peers: $(PEERS_STAMP)
+
+$(SGL_STAMP): $(STAMP)
+	test -x $(SGL)/bin/python || $(BIN)/python -m venv --without-pip $(SGL)
+	$(BIN)/pip install -q --no-deps --upgrade --target $$($(SGL)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") -r requirements-sglang.txt
+	$(BIN)/python -c "import site; print('import site; site.addsitedir(%r)' % site.getsitepackages()[0])" \
+	  > $$($(SGL)/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/hpkv-base.pth
+	rm -f $(SGL)/.installed-*
+	touch $@
+
+sglang: $(SGL_STAMP)
+
+# hpkv under SGLang's own HiCacheController and host pools (CPU; no SGLang server runs here).
+test-sglang: $(SGL_STAMP)
+	$(SGL)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
+
+# Backup and prefetch through SGLang's controller: hpkv next to SGLang's file backend and a raw read.
+bench-sglang: $(SGL_STAMP)
+	$(SGL)/bin/python -m hpkv.bench.sglang
 
 # hpkv next to its peers on the demo model: vLLM alone, vLLM's OffloadingConnector, LMCache.
 compare: $(STAMP) $(PEERS_STAMP)

@@ -415,6 +415,18 @@ class ValkeyServers:
     def keyspace_misses(self) -> int:
         return self._stat("keyspace_misses")
 
+    def command_calls(self, command: str) -> int:
+        """Calls of ``command`` (e.g. "get") summed over every primary, from INFO commandstats."""
+        total = 0
+        for node in self.nodes:
+            c = self.admin(node)
+            try:
+                entry = str(info(c, "commandstats").get(f"cmdstat_{command.lower()}", "calls=0"))
+            finally:
+                c.close()
+            total += int(entry.split(",")[0].split("=")[1])
+        return total
+
     def _stat(self, name: str) -> int:
         total = 0
         for node in self.nodes:

@@ -364,19 +364,25 @@ class Catalog:
 
     # -- loads in this process (library, SGLang) -------------------------------------------
 
-    def load(self, lks: list[bytes], consume: Consume, tenant: str = SHARED) -> int:
+    def load(self, lks: list[bytes], consume: Consume, tenant: str = SHARED, *, probe: bool = True) -> int:
         """Hand each chunk's verified payload (the first served rank's) to ``consume``; return how
         many leading chunks succeeded. Blocks until every read is done.
 
         The chunks are located once (remote tiers: one batched round trip) and the hit cut at the
-        first gap. Memory hits are consumed on the calling thread; the others are read on the I/O
-        threads into reserved slots, verified, consumed there and promoted (or, with no room or no
-        memory tier, read into a private buffer). A chunk after a failed one may still have been
+        first gap. ``probe=False``: the caller has just asked (SGLang's ``batch_exists`` before its
+        reads), so the chunks no local tier holds are read from the remote tiers directly (a GET
+        that misses costs what the existence check would have). Memory hits are consumed on the
+        calling thread; the others are read on the I/O threads into reserved slots, verified,
+        consumed there and promoted (or, with no room or no memory tier, read into a private
+        buffer). A chunk after a failed one may still have been
         consumed; only the returned prefix counts.
         """
         if not lks:
             return 0
-        located = self.locate(lks, tenant)
+        if probe or not self.has_remote:
+            located = self.locate(lks, tenant)
+        else:
+            located = [w or "remote" for w in self.locate_local(lks, tenant)]
         n = located.index(None) if None in located else len(located)
         if n < len(lks):
             self.count_miss(1)  # the chunk that ended the hit (the ones after it were not asked for)

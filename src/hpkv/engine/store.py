@@ -99,11 +99,12 @@ class KVStore:
 
     # -- reads -------------------------------------------------------------------
 
-    def load_chunks(self, keys: list[bytes], consume: Consume) -> int:
+    def load_chunks(self, keys: list[bytes], consume: Consume, *, probe: bool = True) -> int:
         """Hand each chunk's verified payload to ``consume``; return how many leading chunks succeeded
         (see :meth:`Catalog.load`: memory hits on the calling thread, slower ones on I/O threads,
-        promoted into memory; blocks until every read is done)."""
-        return self.engine.load(keys, consume, SHARED_TENANT)
+        promoted into memory; blocks until every read is done). ``probe=False``: skip the remote
+        existence check (the caller just made it) and read what the local tiers lack remotely."""
+        return self.engine.load(keys, consume, SHARED_TENANT, probe=probe)
 
     def get(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of the full chunks of ``tokens``: ``[layers, 2, n, heads, dim]``, bit-exact.

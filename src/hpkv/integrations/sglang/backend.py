@@ -1,0 +1,295 @@
+"""HpkvHiCacheStorage: hpkv's tiers as SGLang HiCache's L3 storage backend.
+
+SGLang's hierarchical cache keeps KV pages in GPU memory, then in its host pool (L2); an L3 backend
+stores and fetches whole pages by key. SGLang builds this class through its ``dynamic`` loader
+(``cls(storage_config, extra_config)``), then hands it the host pool (``register_mem_pool_host``).
+Everything below that goes through one :class:`hpkv.engine.catalog.Catalog` (the engine vLLM's
+connector and the library use): lookups across tiers that stop at the first gap, verified reads,
+write-behind to storage and Valkey. Nothing here repeats that logic.
+
+* **Pages are chunks.** hpkv's chunk size is SGLang's ``--page-size``; a page's bytes are stored as
+  the host pool holds them (the order of ``get_data_page``), so a page moves with one copy each way
+  (``batch_get_v1``/``batch_set_v1`` read and write the host pool in place).
+* **Keys.** SGLang's page hash (already chained over the prefix and seeded by ``extra_key`` /
+  ``cache_salt``) is mapped to hpkv's 16-byte logical key; the record key adds the namespace: the
+  model, the host layout, PP and CP rank and size, the KV dtype and shape, the page size and TP rank
+  and size (MLA: one shard shared by the TP ranks, written by SGLang's storage-writer rank only).
+  A page written under another dtype, layout or page size is a different record: a miss, never bytes
+  of the wrong shape (SGLang's ``file`` backend names pages by model and rank only).
+* **Every read is verified** (checksum or keyed MAC, header, namespace); a page that fails ends the
+  prefetch there: SGLang recomputes from it.
+
+Settings: the ``HPKV_*`` variables as for vLLM, overridden by the mapping under ``"hpkv"`` in
+``--hicache-storage-backend-extra-config``. The memory tier is off unless set
+(``HPKV_KV_MEM_POOL_SIZE``): SGLang's host pool already holds recent pages in RAM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig, HiCacheStorageExtraInfo
+
+from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
+from hpkv.core.keys import digest, text_bytes
+from hpkv.core.layout import KVLayout
+from hpkv.engine.catalog import MEMORY, STORAGE
+from hpkv.engine.store import KVStore
+
+log = logging.getLogger("hpkv")
+
+EXTRA_KEY = "hpkv"  # hpkv's settings inside --hicache-storage-backend-extra-config
+SOURCE = "the 'hpkv' mapping of --hicache-storage-backend-extra-config"
+LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
+
+
+def page_key(key: str) -> bytes:
+    """hpkv's logical key of an SGLang page hash."""
+    return digest(text_bytes(key), person=b"hpkv-sglang")
+
+
+class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """hpkv's memory, storage and Valkey tiers under SGLang's HiCache (an L3 backend)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, extra: Mapping[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        extra_config = storage_config.extra_config or {}
+        overrides = extra_config.get(EXTRA_KEY) or {}
+        if not isinstance(overrides, Mapping):
+            raise HpkvConfigError(
+                f'"{EXTRA_KEY}" in --hicache-storage-backend-extra-config is {overrides!r}; it must be a '
+                'mapping of hpkv settings, e.g. {"hpkv": {"kv_storage_path": "/data/hpkv"}}'
+            )
+        # Checked now, so a bad setting stops SGLang at start with the variable's name.
+        self.config = HpkvConfig.load(dict(overrides), source=SOURCE)
+        if storage_config.should_split_heads:
+            raise HpkvConfigError(
+                "hpkv's SGLang backend does not split heads across a heterogeneous TP size "
+                "(tp_lcm_size in --hicache-storage-backend-extra-config); remove tp_lcm_size"
+            )
+        self.writer = storage_config.is_storage_writer
+        self.store: KVStore | None = None
+        self.host: Any = None
+        self._page_bytes = 0
+
+    # -- attaching to SGLang's host pool --------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        if self.store is not None:
+            self.store.close()
+        self.host = mem_pool_host
+        self.store = self._open(mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if host_pool is self.host or name in ("kv", "__default__"):
+            return
+        raise NotImplementedError(
+            f"hpkv's SGLang backend stores the attention KV pool only; this model also has a '{name}' "
+            "pool (a hybrid model: Mamba, SWA or DSA state), which it does not store. Run this model "
+            "with another --hicache-storage-backend, or without L3 storage"
+        )
+
+    def _open(self, host: Any) -> KVStore:
+        sc = self.storage_config
+        page = int(host.page_size)
+        layout_name = str(getattr(host, "layout", ""))
+        if layout_name not in LAYOUTS:
+            raise HpkvConfigError(
+                f"--hicache-mem-layout {layout_name!r} is not supported by hpkv's SGLang backend; "
+                f"use one of {', '.join(LAYOUTS)} (e.g. page_first)"
+            )
+        config = self.config
+        if "chunk_size" in config.origins and config.chunk_size != page:
+            raise HpkvConfigError(
+                f"{config.where('chunk_size')}={config.chunk_size} differs from SGLang's --page-size {page}; "
+                f"under SGLang hpkv stores one chunk per page: unset it or set it to {page}"
+            )
+        changes: dict[str, Any] = {"chunk_size": page}
+        if "mem_pool_size" not in config.origins:
+            changes["mem_pool_size"] = 0
+        config = dataclasses.replace(config, **changes)
+        view = host.get_data_page(0, flat=False)
+        kv = _kv_layout(host, view, page)
+        self._page_bytes = view.numel() * view.element_size()
+        if kv.chunk_bytes(page) != self._page_bytes:
+            raise HpkvConfigError(
+                f"the host pool's pages are {self._page_bytes} bytes, not the {kv.chunk_bytes(page)} its "
+                f"shape says ({type(host).__name__}); hpkv's SGLang backend supports MHA and MLA pools"
+            )
+        if sc.is_mla_model:  # one shard, the same on every TP rank (DCP: one per DCP rank)
+            rank, world = sc.dcp_rank, sc.dcp_size
+        else:
+            rank, world = sc.tp_rank, sc.tp_size
+        model_id = (
+            f"sglang|{sc.model_name or ''}|host={layout_name}|pp={sc.pp_rank}/{sc.pp_size}"
+            f"|cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
+        )
+        store = KVStore(config, kv, model_id=model_id, rank=rank, world_size=world)
+        if sc.tp_rank == 0:
+            log.info(
+                "hpkv: SGLang L3 backend ready: tiers %s, page %d tokens (%.2f MiB), %s layout, %s%s",
+                ",".join(store.tier_names()) or "none",
+                page,
+                self._page_bytes / 2**20,
+                layout_name,
+                kv.describe(),
+                "" if self.writer else " (reads only: not this MLA group's storage writer)",
+            )
+        return store
+
+    def _need_store(self) -> KVStore:
+        if self.store is None:
+            raise RuntimeError(
+                "hpkv: register_mem_pool_host was not called (SGLang attaches the host pool first)"
+            )
+        return self.store
+
+    # -- the zero-copy interface (interface_v1) --------------------------------------------
+
+    def _page(self, host_indices: torch.Tensor, i: int) -> torch.Tensor:
+        page: torch.Tensor = self.host.get_data_page(int(host_indices[i * self.host.page_size]), flat=False)
+        return page
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        dtype = self.host.dtype
+
+        def consume(i: int, payload: torch.Tensor) -> None:
+            page = self._page(host_indices, i)
+            page.copy_(payload.view(dtype).view(page.shape))
+
+        # SGLang asked batch_exists for these pages just before: read them without asking again.
+        n = self._need_store().load_chunks([page_key(k) for k in keys], consume, probe=False)
+        return [True] * n + [False] * (len(keys) - n)
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        if not self.writer:  # MLA: another rank writes the shared page
+            return [True] * len(keys)
+        dtype = self.host.dtype
+
+        def produce(i: int, payload: torch.Tensor) -> None:
+            page = self._page(host_indices, i)
+            payload.view(dtype).view(page.shape).copy_(page)
+
+        n = self._need_store().store_chunks([page_key(k) for k in keys], produce)
+        return [True] * n + [False] * (len(keys) - n)
+
+    # -- lookups ----------------------------------------------------------------------------
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Pages held, as a leading run: memory and storage asked per page, Valkey once."""
+        if not keys:
+            return 0
+        located = self._need_store().locate_keys([page_key(k) for k in keys])
+        return located.index(None) if None in located else len(located)
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # -- the older interface (flat page tensors) ------------------------------------------
+
+    def _flat_target(self, target: torch.Tensor | None) -> torch.Tensor:
+        if target is None:
+            fresh: torch.Tensor = self.host.get_dummy_flat_data_page()
+            return fresh
+        if target.numel() * target.element_size() != self._page_bytes:
+            raise ValueError(
+                f"target has {target.numel() * target.element_size()} bytes; a page is {self._page_bytes}"
+            )
+        return target
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
+        targets = [self._flat_target(t) for t in (target_locations or [None] * len(keys))]
+
+        def consume(i: int, payload: torch.Tensor) -> None:
+            targets[i].view(torch.uint8).view(-1).copy_(payload)
+
+        n = self._need_store().load_chunks([page_key(k) for k in keys], consume, probe=False)
+        return [targets[i] if i < n else None for i in range(len(keys))]
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location] if target_location is not None else None)[0]
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if not self.writer:
+            return True
+        vals = list(values or [])
+        if len(vals) != len(keys):
+            return False
+        for v in vals:
+            if v.numel() * v.element_size() != self._page_bytes:
+                raise ValueError(
+                    f"a value has {v.numel() * v.element_size()} bytes; a page is {self._page_bytes}"
+                )
+
+        def produce(i: int, payload: torch.Tensor) -> None:
+            payload.copy_(vals[i].contiguous().view(torch.uint8).view(-1))
+
+        return self._need_store().store_chunks([page_key(k) for k in keys], produce) == len(keys)
+
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop every page of this engine's memory and storage tiers (Valkey is shared: kept)."""
+        if self.store is not None:
+            self.store.clear((MEMORY, STORAGE))
+
+    def get_stats(self) -> None:
+        return None  # SGLang's own storage metrics; hpkv's counters: hpkv_stats() and `hpkv stats`
+
+    def hpkv_stats(self) -> dict[str, dict[str, int]]:
+        """Per tier: hits, misses, corrupt, bytes read and written, … (see :meth:`KVStore.stats`)."""
+        return self._need_store().stats()
+
+    def flush(self) -> None:
+        """Wait for the write-behind to storage and Valkey."""
+        if self.store is not None:
+            self.store.flush()
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def _kv_layout(host: Any, view: torch.Tensor, page: int) -> KVLayout:
+    """hpkv's description of one page: layers, K and V (or one MLA latent), heads, dim, dtype."""
+    layers = int(host.layer_num)
+    heads = getattr(host, "head_num", None)
+    head_dim = getattr(host, "head_dim", None)
+    if heads is not None and head_dim is not None and view.numel() == 2 * layers * page * heads * head_dim:
+        return KVLayout(layers, int(heads), int(head_dim), host.dtype, num_kv=2)
+    per_token = view.numel() // (layers * page)  # MLA: one latent per token and layer
+    if per_token * layers * page != view.numel() or per_token <= 0:
+        raise HpkvConfigError(f"hpkv's SGLang backend cannot describe {type(host).__name__}'s pages")
+    return KVLayout(layers, 1, per_token, host.dtype, num_kv=1)
