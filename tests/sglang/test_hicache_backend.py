@@ -16,12 +16,12 @@ import pytest
 import torch
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 
+from hpkv.integrations.sglang import rig as h
 from hpkv.integrations.sglang.backend import page_key
-from tests.sglang import harness as h
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
-LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
 
 
 def settings(storage_dir: str, shm_dir: str, **more: Any) -> dict[str, Any]:

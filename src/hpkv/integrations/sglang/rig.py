@@ -1,9 +1,11 @@
-"""SGLang's HiCache pieces on CPU: a device KV pool, its allocator, a host pool and the real
-HiCacheController with a storage backend, plus the two scheduler-side steps a test plays
-(handing a storage hit its host buffers; collecting the acks)."""
+"""SGLang's HiCache pieces on CPU, for hpkv's tests and ``hpkv bench sglang``: a device KV pool, its
+allocator, a host pool and SGLang's real HiCacheController with a storage backend built by SGLang's
+factory, plus the scheduler-side steps a caller plays (handing a storage hit its host buffers;
+collecting the acks). No SGLang server runs on these CPUs; its controller and pools do."""
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
@@ -11,13 +13,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from sglang.srt.managers.cache_controller import HiCacheController
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.mem_cache.utils import get_storage_hash_str
-from sglang.srt.runtime_context import get_parallel
+
+from hpkv.integrations.sglang.cpu import install_torchvision_placeholder
+
+install_torchvision_placeholder()
+
+# SGLang after the placeholder is in place (its imports reach torchvision).
+from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
+from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 PAGE = 16
 LAYERS, HEADS, DIM = 4, 2, 64
@@ -46,7 +54,7 @@ def hpkv_extra(settings: dict[str, Any], v1: bool = True) -> dict[str, Any]:
 
 @dataclass
 class Rig:
-    controller: HiCacheController
+    controller: Any  # SGLang's HiCacheController (None once closed)
     host: Any
     page: int
     backend_type: str
@@ -57,7 +65,11 @@ class Rig:
         return self.controller.storage_backend
 
     def close(self) -> None:
+        """Detach the backend (SGLang stops its storage threads; hpkv finishes its write-behind) and
+        let go of the pools (the controller's threads and queues hold cycles: collected now)."""
         self.controller.detach_storage_backend()
+        self.controller = self.host = None
+        gc.collect()
 
 
 def rig(
@@ -71,44 +83,48 @@ def rig(
     mla: bool = False,
     tp_rank: int = 0,
     tp_size: int = 1,
+    shape: tuple[int, int, int] = (LAYERS, HEADS, DIM),
+    device_tokens: int = DEVICE_TOKENS,
+    host_ratio: float = 4,
 ) -> Rig:
     """A real controller over real pools (MHA, or MLA's one latent per token), with SGLang's
     factory building ``backend``; this process plays TP rank ``tp_rank`` of ``tp_size``."""
     parallel_state(tp_rank, tp_size)
+    layers, heads, dim = shape
     host: Any
     if mla:
         kv: Any = MLATokenToKVPool(
-            DEVICE_TOKENS, page, dtype, 64, 16, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+            device_tokens, page, dtype, 64, 16, layers, "cpu", False, start_layer=0, end_layer=layers
         )
         host = MLATokenToKVPoolHost(
             kv.get_device_pool_infos()[0].buffer_info,
-            4,
+            host_ratio,
             0,
             page,
             layout,
             pin_memory=False,
             device_capacity_tokens=kv.size,
             start_layer=0,
-            end_layer=LAYERS,
-            target_layer_num=LAYERS,
+            end_layer=layers,
+            target_layer_num=layers,
         )
     else:
         kv = MHATokenToKVPool(
-            DEVICE_TOKENS, page, dtype, HEADS, DIM, LAYERS, "cpu", False, start_layer=0, end_layer=LAYERS
+            device_tokens, page, dtype, heads, dim, layers, "cpu", False, start_layer=0, end_layer=layers
         )
         host = MHATokenToKVPoolHost(
             kv.get_device_pool_infos()[0].buffer_info,
-            4,
+            host_ratio,
             0,
             page,
             layout,
             pin_memory=False,
             device_capacity_tokens=kv.size,
             start_layer=0,
-            end_layer=LAYERS,
+            end_layer=layers,
             write_back_staging=kv.hicache_write_back_staging,
         )
-    alloc = PagedTokenToKVPoolAllocator(DEVICE_TOKENS, page, dtype, "cpu", kv, False)
+    alloc = PagedTokenToKVPoolAllocator(device_tokens, page, dtype, "cpu", kv, False)
     c = HiCacheController(
         alloc,
         host,
@@ -143,7 +159,8 @@ def fill_host(r: Rig, n_pages: int, seed: int) -> tuple[torch.Tensor, list[torch
 
 
 def page_bytes(r: Rig, idx: torch.Tensor, i: int) -> torch.Tensor:
-    return r.host.get_data_page(int(idx[i * r.page])).view(torch.uint8).clone()
+    page: torch.Tensor = r.host.get_data_page(int(idx[i * r.page]))
+    return page.view(torch.uint8).clone()
 
 
 def backup(r: Rig, toks: list[int], idx: torch.Tensor, timeout: float = 60) -> int:
