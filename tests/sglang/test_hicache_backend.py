@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.mem_cache.utils import get_storage_hash_str
 
 from hpkv.integrations.sglang import rig as h
 from hpkv.integrations.sglang.backend import page_key
@@ -112,7 +111,7 @@ def test_a_flipped_byte_ends_the_prefetch_there(storage_dir: str, shm_dir: str) 
         h.backup(r, toks, idx)
         r.backend.flush()
         store = r.backend.store
-        hashes = get_storage_hash_str(toks, None, page_size=h.PAGE)
+        hashes = h.page_hashes(toks, None, page_size=h.PAGE)
         victim = store.storage.path(store.record_key(page_key(hashes[3])))  # the fourth page's file
     finally:
         r.close()
@@ -184,7 +183,7 @@ def test_mla_pages_are_written_once_and_shared_by_the_tp_ranks(storage_dir: str,
         assert not r1.backend.writer
         idx, _ = h.fill_host(r1, 4, seed=14)
         h.backup(r1, toks, idx)  # SGLang skips the backup on this rank (backup_skip) ...
-        hashes = get_storage_hash_str(toks, None, page_size=h.PAGE)
+        hashes = h.page_hashes(toks, None, page_size=h.PAGE)
         assert r1.backend.batch_set_v1(hashes, idx) == [True] * 4  # ... and the backend writes nothing
         r1.backend.flush()
         assert files() == 0

@@ -24,8 +24,12 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # 
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache.utils import get_storage_hash_str  # noqa: E402
+from sglang.srt.mem_cache import utils as _sgl_utils  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
+
+# The page hash chain the controller's storage query computes (0.5.23: seeded by extra_key/cache_salt;
+# 0.5.17: get_hash_str).
+page_hashes = getattr(_sgl_utils, "get_storage_hash_str", None) or _sgl_utils.get_hash_str
 
 PAGE = 16
 LAYERS, HEADS, DIM = 4, 2, 64
@@ -165,7 +169,7 @@ def page_bytes(r: Rig, idx: torch.Tensor, i: int) -> torch.Tensor:
 
 def backup(r: Rig, toks: list[int], idx: torch.Tensor, timeout: float = 60) -> int:
     """SGLang's write-through to L3: write_storage, then the backup ack; returns the tokens written."""
-    hashes = get_storage_hash_str(toks, None, page_size=r.page)
+    hashes = page_hashes(toks, None, page_size=r.page)
     op_id = r.controller.write_storage(idx, toks, hash_value=hashes)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
