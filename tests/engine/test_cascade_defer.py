@@ -14,9 +14,9 @@ from tests.conftest import CHUNK, SMALL
 from tests.engine.test_catalog_reset import store
 
 
-def make(shm_dir: str, storage_dir: str, queue: int = 8) -> Catalog:
+def make(shm_dir: str, storage_dir: str, queue: int = 8, pool: str = "4M") -> Catalog:
     cfg = HpkvConfig(
-        mem_pool_size="4M",
+        mem_pool_size=pool,
         share_mem_file_path=shm_dir,
         storage_path=storage_dir,
         chunk_size=CHUNK,
@@ -54,5 +54,32 @@ def test_a_half_full_queue_or_a_flush_writes_anyway(shm_dir: str, storage_dir: s
         assert sum(cat.in_storage(lk) for lk in lks) >= 1  # the backlog reached half the queue
         cat.flush()  # a flush (clear, close, a reset) never waits for idle time
         assert all(cat.in_storage(lk) for lk in lks)
+    finally:
+        cat.close()
+
+
+def test_writes_that_pin_half_the_pool_go_out_under_sustained_load(shm_dir: str, storage_dir: str) -> None:
+    """A pool of few slots and a long queue: queued writes pinning the pool must not wait for idle
+    time, or every later chunk finds no slot and reaches no tier (seen under `hpkv bench serve`)."""
+    cat = make(shm_dir, storage_dir, queue=256, pool="64K")
+    try:
+        assert 4 <= cat.num_slots < 64, cat.num_slots
+        cat.engine_busy(True)  # the engine never idles
+        lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(3 * cat.num_slots)]
+        stored = 0
+        for lk in lks:
+            slot = cat.reserve()
+            deadline = time.monotonic() + 1  # well below CASCADE_DEFER_MAX_S
+            while slot is None and time.monotonic() < deadline:  # the cascade frees slots meanwhile
+                time.sleep(0.01)
+                slot = cat.reserve()
+            if slot is not None:
+                cat.abort(slot)
+                stored += cat.commit(lk, store(cat, lk))
+        assert stored == len(lks)  # every chunk found a slot ...
+        cat.flush()
+        assert all(cat.in_storage(lk) for lk in lks)  # ... and reached storage, while still busy
+        assert cat.stats()["storage"]["writes_skipped"] == 0
+        cat.check()
     finally:
         cat.close()

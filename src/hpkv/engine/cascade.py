@@ -41,10 +41,12 @@ class Cascade:
         unpin: Callable[[int], None],
         *,
         defer: bool = False,
+        pressure: Callable[[], bool] | None = None,
     ) -> None:
         """``tiers_of_rank(i)``: the slower tiers of the rank at index ``i``; ``record_key(i, lk)``
         its record key; ``slot_record(i, slot)`` the sealed record in that rank's pool slot;
-        ``unpin(slot)`` releases the pin a queued slot carries."""
+        ``unpin(slot)`` releases the pin a queued slot carries; ``pressure()``: the memory pool needs
+        the slots queued writes hold (with ``defer``: write now, or new chunks find no slot)."""
         self._ranks = ranks
         self._tiers_of_rank = tiers_of_rank
         self._record_key = record_key
@@ -53,6 +55,7 @@ class Cascade:
         self._q: queue.Queue[tuple[bytes, Source, str] | None] = queue.Queue(maxsize=max(max_chunks, 1))
         self._off = max_chunks == 0
         self._defer = defer
+        self._pressure = pressure
         self._lock = threading.Lock()
         self._busy = False
         self._busy_since = self._idle_since = 0.0
@@ -88,7 +91,9 @@ class Cascade:
     def engine_busy(self, busy: bool) -> None:
         """The engine started (True) or finished (False) a step that computes. With ``defer`` the
         cascade writes only once the engine has been idle for CASCADE_IDLE_S, or when its queue is
-        half full, or a step has run for CASCADE_DEFER_MAX_S: where tier work and the model share
+        half full, or the queued writes pin half the memory pool's slots (a pool full of pinned
+        slots would turn every new chunk away from every tier), or a step has run for
+        CASCADE_DEFER_MAX_S: where tier work and the model share
         the CPU, write-behind then costs a prefill little; under sustained load it still runs (and
         a full queue still drops)."""
         now = time.monotonic()
@@ -122,6 +127,8 @@ class Cascade:
         if not self._defer or self._urgent or self._closing:
             return True
         if self._q.qsize() >= self._q.maxsize // 2:
+            return True
+        if self._pressure is not None and self._pressure():
             return True
         now = time.monotonic()
         if self._busy:

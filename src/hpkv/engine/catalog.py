@@ -142,7 +142,13 @@ class Catalog:
             self._slot_record,
             lambda slot: self.unpin([slot]),
             defer=defer_cascade,
+            pressure=self._slots_scarce,
         )
+
+    def _slots_scarce(self) -> bool:
+        """Half the pool's slots or more are pinned (queued writes, loads in flight): deferred
+        write-behind must free its slots now (read without the lock: a hint, not a decision)."""
+        return self.num_slots > 0 and self._index.pinned() * 2 >= self.num_slots
 
     # -- tiers ------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ class SlotIndex:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._lru: OrderedDict[bytes, int] = OrderedDict()  # oldest first
         self._pins = [0] * num_slots
+        self._npinned = 0  # slots with a pin (kept in step: pinned() is asked often)
         self._doomed: set[int] = set()
         self.evictions = 0
 
@@ -39,11 +40,15 @@ class SlotIndex:
             return None
         self._lru.move_to_end(key)
         self._pins[slot] += 1
+        if self._pins[slot] == 1:
+            self._npinned += 1
         return slot
 
     def unpin(self, slot: int) -> None:
         assert self._pins[slot] > 0, f"slot {slot} unpinned more often than pinned"
         self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._npinned -= 1
         if self._pins[slot] == 0 and slot in self._doomed:
             self._doomed.discard(slot)
             self._free.append(slot)
@@ -59,11 +64,13 @@ class SlotIndex:
         if self._free:
             slot = self._free.pop()
             self._pins[slot] = 1
+            self._npinned += 1
             return slot, None
         for key, slot in self._lru.items():
             if self._pins[slot] == 0 and key not in protected:
                 del self._lru[key]
                 self._pins[slot] = 1
+                self._npinned += 1
                 self.evictions += 1
                 return slot, key
         return None
@@ -86,6 +93,7 @@ class SlotIndex:
         """Give back a reserved slot that was never committed."""
         self._pins[slot] -= 1
         assert self._pins[slot] == 0
+        self._npinned -= 1
         self._free.append(slot)
 
     def remove(self, key: bytes) -> bool:
@@ -105,7 +113,8 @@ class SlotIndex:
         return len(keys)
 
     def pinned(self) -> int:
-        return sum(1 for p in self._pins if p)
+        """Slots with at least one pin. O(1)."""
+        return self._npinned
 
     def check(self) -> None:
         """Consistency check for tests: every slot is in exactly one state."""
@@ -117,3 +126,4 @@ class SlotIndex:
         assert not (self._doomed & (live | free)), "a doomed slot is live or free"
         for s in free:
             assert self._pins[s] == 0, f"free slot {s} is pinned"
+        assert self._npinned == sum(1 for p in self._pins if p), "the pinned count drifted"
