@@ -10,7 +10,7 @@ PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/nul
 SGL := .venv-sglang
 SGL_STAMP := $(SGL)/.installed-$(shell cat requirements-sglang.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: venv sglang test-sglang bench-sglang test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
+.PHONY: serve-demo venv sglang test-sglang bench-sglang test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -82,6 +82,11 @@ bench-sglang: $(SGL_STAMP)
 # hpkv next to its peers on the demo model: vLLM alone, vLLM's OffloadingConnector, LMCache.
 compare: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/hpkv bench ttft --compare hpkv,none,native,lmcache --out out/compare
+
+# hpkv under concurrent multi-turn load next to vLLM alone (vLLM's own load generator), a few minutes.
+serve-demo: $(STAMP)
+	$(BIN)/hpkv bench serve --compare hpkv,none --users 12 --context 2048 --turns 3 --concurrency 1,4 \
+	  --engine-blocks 160 --pool-size 96M --out out/serve-demo
 
 bench-tiers: $(STAMP)
 	$(BIN)/hpkv bench tiers

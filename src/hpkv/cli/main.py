@@ -49,8 +49,8 @@ def _main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("clear", help="delete every chunk in a storage directory")
     c.add_argument("--storage", default=None, help="storage directory (default: HPKV_KV_STORAGE_PATH)")
 
-    b = sub.add_parser("bench", help="benchmarks: tiers, valkey, l2, ttft, cold, itl, sglang")
-    b.add_argument("which", choices=["tiers", "valkey", "l2", "ttft", "cold", "itl", "sglang"])
+    b = sub.add_parser("bench", help="benchmarks: tiers, valkey, l2, ttft, cold, itl, sglang, serve")
+    b.add_argument("which", choices=["tiers", "valkey", "l2", "ttft", "cold", "itl", "sglang", "serve"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
 
     v = sub.add_parser("valkey", help="run real valkey-server processes on loopback (for trying hpkv)")
@@ -128,6 +128,10 @@ def _main(argv: list[str] | None = None) -> int:
             from hpkv.bench.itl import main as itl_main
 
             return itl_main(a.rest)
+        if a.which == "serve":
+            from hpkv.bench.serve import main as serve_bench_main
+
+            return serve_bench_main(a.rest)
         if a.which == "sglang":
             import importlib.util
 

@@ -20,11 +20,11 @@ install_torchvision_placeholder()
 
 # SGLang after the placeholder is in place (its imports reach torchvision).
 from sglang.srt.managers.cache_controller import HiCacheController  # noqa: E402
+from sglang.srt.mem_cache import utils as _sgl_utils  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
 from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: E402
-from sglang.srt.mem_cache import utils as _sgl_utils  # noqa: E402
 from sglang.srt.runtime_context import get_parallel  # noqa: E402
 
 # The page hash chain the controller's storage query computes (0.5.23: seeded by extra_key/cache_salt;

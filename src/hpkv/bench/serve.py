@@ -1,0 +1,404 @@
+"""hpkv bench serve: hpkv under concurrent load, next to vLLM alone and its peers, with vLLM's load generator.
+
+The workload is multi-turn sessions whose reuse comes back after eviction: ``--users`` users, each with
+a long context of ``--context`` tokens; turn t of user u is that context plus a short new question, and
+turns go round-robin over the users, so between two turns of one user every other user's context
+passes through the engine. The engine's own KV cache is capped (``--engine-blocks``, vLLM's
+``--num-gpu-blocks-override``) below the working set, so a revisit finds its context evicted from the
+engine and either recomputes it or gets it from a tier below.
+
+The requests are sent by vLLM's own benchmark client (``vllm.benchmarks.serve.benchmark``: the
+request loop, Poisson arrivals or a concurrency limit, streaming TTFT / inter-token / end-to-end
+metrics as ``vllm bench serve`` prints them), at each load level in ``--concurrency`` (closed loop)
+or ``--rate`` (Poisson, requests/s). Every system gets the same requests, seed, engine flags and
+thread binding; every (system, level) starts a fresh server with empty tiers and sends two short
+unrelated warm-up requests first (not counted).
+
+What this adds to vLLM's numbers: where each prompt token came from, from the servers' own counters
+(vLLM: its prefix cache and the connector's external hits; hpkv: chunks per tier), whether the
+generated texts equal vLLM alone's on the same requests, the side-by-side table, JSON and charts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from hpkv.bench.server import Server, ServerError
+
+SYSTEMS = ("hpkv", "none", "lmcache", "native")
+
+
+@dataclass(frozen=True)
+class Turn:
+    user: int
+    turn: int
+    prompt: list[int]
+
+
+def sessions(
+    users: int, context: int, turns: int, question: int, seed: int, vocab: tuple[int, int]
+) -> list[Turn]:
+    """Turn-major, round-robin: every user's turn t before anyone's turn t+1. Token ids drawn from
+    ``vocab`` [lo, hi) with ``seed``, so every system and run gets the same prompts."""
+    rng = random.Random(seed)
+    lo, hi = vocab
+    ctx = [[rng.randrange(lo, hi) for _ in range(context)] for _ in range(users)]
+    out = []
+    for t in range(turns):
+        for u in range(users):
+            out.append(Turn(u, t, ctx[u] + [rng.randrange(lo, hi) for _ in range(question)]))
+    return out
+
+
+def percentile(xs: list[float], p: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100
+    f = int(k)
+    c = min(f + 1, len(s) - 1)
+    return s[f] + (s[c] - s[f]) * (k - f)
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float]:
+    """The numbers of one run, from vLLM's client: per-request TTFTs, inter-token gaps, latencies."""
+    ok = [e is None or e == "" for e in result["errors"]]
+    ttfts = [t for t, good in zip(result["ttfts"], ok, strict=True) if good]
+    itls = [x for row, good in zip(result["itls"], ok, strict=True) if good for x in row]
+    lat = [x for x, good in zip(result["latencies"], ok, strict=True) if good]
+    return {
+        "completed": float(result["completed"]),
+        "failed": float(result.get("failed", 0)),
+        "duration_s": result["duration"],
+        "requests_per_s": result["request_throughput"],
+        "output_tokens_per_s": result["output_throughput"],
+        **{f"ttft_p{p}_ms": percentile(ttfts, p) * 1e3 for p in (50, 90, 99)},
+        **{f"itl_p{p}_ms": percentile(itls, p) * 1e3 for p in (50, 99)},
+        "e2e_p99_ms": percentile(lat, 99) * 1e3,
+    }
+
+
+def sources(
+    prompt_tokens: int, engine: dict[str, int], hp: dict[str, int] | None, chunk: int
+) -> dict[str, int]:
+    """Where the prompt tokens came from: vLLM's own cache, a connector (for hpkv split by tier, from
+    its chunk counters: a tier's share can include the prompt's last partial chunk), recomputed."""
+    own = engine.get("prefix_cache_hits", 0)
+    ext = engine.get("external_prefix_cache_hits", 0)
+    out = {"prompt": prompt_tokens, "engine_cache": own, "connector": ext}
+    if hp is not None:
+        promoted = hp.get("memory_promotions", 0)
+        out["hpkv_memory"] = max(hp.get("memory_hits", 0) - promoted, 0) * chunk
+        out["hpkv_storage"] = hp.get("storage_hits", 0) * chunk
+        out["hpkv_valkey"] = hp.get("valkey_hits", 0) * chunk
+    out["recomputed"] = max(prompt_tokens - own - ext, 0)
+    return out
+
+
+def hpkv_counts(stats: dict[str, Any]) -> dict[str, int]:
+    from hpkv.bench.server import counter
+
+    return {
+        "memory_hits": counter(stats, "memory", "hits"),
+        "memory_promotions": counter(stats, "memory", "promotions"),
+        "storage_hits": counter(stats, "storage", "hits"),
+        "valkey_hits": counter(stats, "valkey", "hits"),
+    }
+
+
+def run_load(
+    server: Server, tokenizer: Any, requests: list[Turn], output_len: int, level: dict[str, float]
+) -> dict[str, Any]:
+    """One load level through vLLM's benchmark client (completions endpoint, streamed, greedy)."""
+    from vllm.benchmarks.datasets import SampleRequest
+    from vllm.benchmarks.serve import benchmark
+
+    base = f"http://127.0.0.1:{server.port}"
+    reqs = [
+        SampleRequest(prompt=t.prompt, prompt_len=len(t.prompt), expected_output_len=output_len)
+        for t in requests
+    ]
+    return asyncio.run(
+        benchmark(
+            task_type=_task_type(),
+            endpoint_type="openai",
+            api_url=base + "/v1/completions",
+            base_url=base,
+            model_id=server.model,
+            model_name=server.model,
+            tokenizer=tokenizer,
+            input_requests=reqs,
+            logprobs=None,
+            request_rate=level.get("rate", float("inf")),
+            burstiness=1.0,  # Poisson arrivals at ``rate``
+            disable_tqdm=True,
+            num_warmups=0,  # vLLM's warm-up repeats the first request: it would cache user 0's context
+            profile=False,
+            selected_percentile_metrics=["ttft", "itl", "e2el"],
+            selected_percentiles=[50, 90, 99],
+            ignore_eos=True,
+            goodput_config_dict={},
+            max_concurrency=int(level["concurrency"]) if "concurrency" in level else None,
+            lora_modules=None,
+            extra_headers=None,
+            extra_body={"temperature": 0},
+            ready_check_timeout_sec=0,  # the server is up; its check would also send user 0's prompt
+        )
+    )
+
+
+def _task_type() -> Any:
+    from vllm.benchmarks import serve
+
+    return serve.TaskType.GENERATION
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hpkv bench serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=None, help="model directory (default: build the demo model)")
+    ap.add_argument("--compare", default="hpkv,none", help=f"systems, from {','.join(SYSTEMS)}")
+    ap.add_argument("--users", type=int, default=16)
+    ap.add_argument("--context", type=int, default=4096, help="tokens of each user's shared context")
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--question", type=int, default=32, help="new tokens per turn")
+    ap.add_argument("--output", type=int, default=16, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--concurrency", default="1,4,8", help="closed-loop levels (clients in flight)")
+    ap.add_argument("--rate", default=None, help="Poisson levels instead, requests/s, e.g. 0.5,1,2")
+    ap.add_argument("--engine-blocks", type=int, default=400, help="vLLM's --num-gpu-blocks-override")
+    ap.add_argument("--pool-size", default="256M", help="hpkv's memory pool (and LMCache's L1)")
+    ap.add_argument("--valkey", action="store_true", help="give hpkv (and LMCache) an embedded valkey too")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--port", type=int, default=8341)
+    ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--vllm-args", default="--enforce-eager")
+    ap.add_argument("--out", default="out/bench-serve")
+    args = ap.parse_args(argv)
+    systems = [s for s in args.compare.split(",") if s]
+    for s in systems:
+        if s not in SYSTEMS:
+            ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if args.rate:
+        levels = [{"rate": float(x)} for x in args.rate.split(",")]
+    else:
+        levels = [{"concurrency": float(x)} for x in args.concurrency.split(",")]
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model or _demo_model(args.out)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    vocab = (256, min(len(tokenizer), 4096))  # real byte-level tokens of the demo tokenizer
+    requests = sessions(args.users, args.context, args.turns, args.question, args.seed, vocab)
+    chunk = 256
+    runs: list[dict[str, Any]] = []
+    for level in levels:
+        for system in systems:
+            runs.append(one_run(args, system, model, tokenizer, requests, level, chunk))
+            _print_run(runs[-1])
+    _compare_texts(runs)
+    report = {"args": vars(args), "model": model, "requests": len(requests), "runs": runs}
+    path = os.path.join(args.out, "serve.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+    print_table(runs, args)
+    print(f"every run: {path}")
+    print(f"charts: {charts(runs, args.out)}")
+    return 0 if all(not r.get("error") for r in runs) else 1
+
+
+def _demo_model(out: str) -> str:
+    from hpkv.bench.demo_model import write_demo_model
+
+    path = os.path.join(out, "demo-model-small")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        write_demo_model(path, "small")
+    return path
+
+
+def one_run(
+    args: argparse.Namespace,
+    system: str,
+    model: str,
+    tokenizer: Any,
+    requests: list[Turn],
+    level: dict[str, float],
+    chunk: int,
+) -> dict[str, Any]:
+    """A fresh server for ``system`` (tiers empty), warm-up, the load, the counters around it."""
+    from hpkv.bench.ttft import _Runner
+    from hpkv.bench.verify import Expect
+
+    targs = argparse.Namespace(
+        url=None,
+        pool_size=args.pool_size,
+        remote_url=None,
+        tokens=args.context + args.question + args.output,
+        vllm_args=f"{args.vllm_args} --num-gpu-blocks-override {args.engine_blocks}",
+        port=args.port,
+        block_size=args.block_size,
+        out=args.out,
+    )
+    run: dict[str, Any] = {"system": system, "level": level}
+    runner = _Runner(targs, system, model, [], Expect(0, 0, 0), [])
+    try:
+        tiers = ["memory", "storage"] + (["valkey"] if args.valkey else [])
+        if not runner._start(tiers):
+            run["error"] = runner.out.error
+            return run
+        server = runner.server
+        assert server is not None
+        for w in range(2):  # warm-up: short prompts nobody revisits
+            server.complete([7 + w] * 64, max_tokens=2)
+        is_hpkv = system == "hpkv"
+        hp0 = hpkv_counts(server.settled_stats()) if is_hpkv else None
+        eng0 = server.engine_counters()
+        result = run_load(server, tokenizer, requests, args.output, level)
+        after = server.drained_stats() if is_hpkv else None
+        hp1 = hpkv_counts(after) if after is not None else None
+        if after is not None:
+            run["hpkv_tiers"] = after.get("tiers", {})
+        eng1 = server.engine_counters()
+        engine = {k: eng1.get(k, 0) - eng0.get(k, 0) for k in eng1}
+        hp = {k: hp1[k] - hp0[k] for k in hp1} if hp0 is not None and hp1 is not None else None
+        run["metrics"] = summarize(result)
+        run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk)
+        run["ttfts"] = result["ttfts"]
+        run["texts"] = result["generated_texts"]
+        run["errors"] = [e for e in result["errors"] if e]
+    except (ServerError, RuntimeError, OSError) as e:
+        run["error"] = str(e).splitlines()[0][:300]
+    finally:
+        runner._stop_all()
+        import shutil
+
+        shutil.rmtree(runner.shm, ignore_errors=True)
+        shutil.rmtree(runner.work, ignore_errors=True)
+    return run
+
+
+def _compare_texts(runs: list[dict[str, Any]]) -> None:
+    """Per run: how many generated texts equal vLLM alone's for the same request at the same level."""
+    for r in runs:
+        ref = next(
+            (x for x in runs if x["system"] == "none" and x["level"] == r["level"] and "texts" in x), None
+        )
+        if ref is None or "texts" not in r:
+            continue
+        same = sum(a == b for a, b in zip(r["texts"], ref["texts"], strict=True))
+        r["texts_equal_to_none"] = [same, len(ref["texts"])]
+
+
+def _level_name(level: dict[str, float]) -> str:
+    return f"concurrency {level['concurrency']:g}" if "concurrency" in level else f"rate {level['rate']:g}/s"
+
+
+def _print_run(r: dict[str, Any]) -> None:
+    if r.get("error"):
+        print(f"[{r['system']}, {_level_name(r['level'])}] not run: {r['error']}", flush=True)
+        return
+    m = r["metrics"]
+    print(
+        f"[{r['system']}, {_level_name(r['level'])}] {m['requests_per_s']:.2f} req/s, "
+        f"TTFT p50/p99 {m['ttft_p50_ms']:.0f}/{m['ttft_p99_ms']:.0f} ms",
+        flush=True,
+    )
+
+
+def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    n = args.users * args.turns
+    print(
+        f"\nhpkv bench serve: {args.users} users x {args.turns} turns ({n} requests), context {args.context} "
+        f"tokens + {args.question} new per turn, {args.output} output tokens; engine cache "
+        f"{args.engine_blocks} blocks x {args.block_size} tokens; hpkv pool {args.pool_size}; "
+        f"seed {args.seed}"
+    )
+    cols = (
+        f"{'level':<16}{'system':<9}{'req/s':>7}{'out tok/s':>10}{'TTFT p50':>9}{'p90':>7}{'p99':>7}"
+        f"{'ITL p50':>8}{'p99':>6}{'E2E p99':>8}  prompt tokens from: engine / connector (hpkv mem / "
+        "storage / valkey) / recomputed; texts = vLLM alone's"
+    )
+    print(cols)
+    for r in runs:
+        name = _level_name(r["level"])
+        if r.get("error"):
+            print(f"{name:<16}{r['system']:<9} not run: {r['error']}")
+            continue
+        m, s = r["metrics"], r["sources"]
+        p = max(s["prompt"], 1)
+        tiers = ""
+        if "hpkv_memory" in s:
+            tiers = (
+                f" ({100 * s['hpkv_memory'] / p:.0f}% / {100 * s['hpkv_storage'] / p:.0f}% / "
+                f"{100 * s['hpkv_valkey'] / p:.0f}%)"
+            )
+        same = r.get("texts_equal_to_none")
+        texts = f"; texts {same[0]}/{same[1]}" if same and r["system"] != "none" else ""
+        fails = f"; {len(r['errors'])} failed" if r.get("errors") else ""
+        print(
+            f"{name:<16}{r['system']:<9}{m['requests_per_s']:>7.2f}{m['output_tokens_per_s']:>10.1f}"
+            f"{m['ttft_p50_ms']:>9.0f}{m['ttft_p90_ms']:>7.0f}{m['ttft_p99_ms']:>7.0f}"
+            f"{m['itl_p50_ms']:>8.0f}{m['itl_p99_ms']:>6.0f}{m['e2e_p99_ms']:>8.0f}  "
+            f"{100 * s['engine_cache'] / p:.0f}% / {100 * s['connector'] / p:.0f}%{tiers} / "
+            f"{100 * s['recomputed'] / p:.0f}%{texts}{fails}"
+        )
+    print(
+        "times in ms (vLLM's client: TTFT to the first streamed token, ITL between tokens, E2E per request)"
+    )
+
+
+def charts(runs: list[dict[str, Any]], out: str) -> str:
+    """TTFT distribution per system and level; throughput and p99 TTFT against load."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (the table and JSON have everything)"
+    ok = [r for r in runs if not r.get("error")]
+    levels = sorted({_level_name(r["level"]) for r in ok}, key=lambda n: float(n.split()[1].rstrip("/s")))
+    systems = list(dict.fromkeys(r["system"] for r in ok))
+    fig, axes = plt.subplots(1, len(levels) + 2, figsize=(4.2 * (len(levels) + 2), 3.6))
+    for ax, name in zip(axes, levels, strict=False):
+        for s in systems:
+            r = next((x for x in ok if x["system"] == s and _level_name(x["level"]) == name), None)
+            if r:
+                xs = sorted(t * 1e3 for t in r["ttfts"])
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=s)
+        ax.set_title(f"TTFT, {name}")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("share of requests")
+        ax.set_xscale("log")
+        ax.legend()
+    for ax, key, title in (
+        (axes[-2], "requests_per_s", "throughput (req/s)"),
+        (axes[-1], "ttft_p99_ms", "p99 TTFT (ms)"),
+    ):
+        for s in systems:
+            pts = [
+                (float(_level_name(r["level"]).split()[1].rstrip("/s")), r["metrics"][key])
+                for r in ok
+                if r["system"] == s
+            ]
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+        ax.set_title(title)
+        ax.set_xlabel("load (" + ("concurrency" if "concurrency" in ok[0]["level"] else "req/s") + ")")
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out, "serve.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main())

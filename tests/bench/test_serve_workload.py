@@ -1,0 +1,55 @@
+"""hpkv bench serve's own parts: the multi-turn workload, the summary of vLLM's client result, the
+token sources. (The e2e run against a real server is tests/e2e/test_bench_serve.py.)"""
+
+from __future__ import annotations
+
+import math
+
+from hpkv.bench.serve import percentile, sessions, sources, summarize
+
+
+def test_turns_are_round_robin_and_reuse_each_users_context() -> None:
+    turns = sessions(users=3, context=50, turns=2, question=4, seed=1, vocab=(256, 1000))
+    assert [(t.user, t.turn) for t in turns] == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+    by = {(t.user, t.turn): t.prompt for t in turns}
+    for u in range(3):
+        assert by[(u, 0)][:50] == by[(u, 1)][:50]  # the same context ...
+        assert by[(u, 0)][50:] != by[(u, 1)][50:]  # ... a new question
+        assert len(by[(u, 1)]) == 54
+    assert by[(0, 0)][:50] != by[(1, 0)][:50]
+    assert all(256 <= x < 1000 for t in turns for x in t.prompt)
+    assert sessions(3, 50, 2, 4, 1, (256, 1000)) == turns  # a seed repeats the run
+
+
+def test_percentiles_interpolate_like_numpy() -> None:
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(xs, 50) == 3.0
+    assert math.isclose(percentile(xs, 90), 4.6)
+    assert percentile([2.0], 99) == 2.0
+
+
+def test_summary_leaves_failed_requests_out() -> None:
+    result = {
+        "completed": 2,
+        "failed": 1,
+        "duration": 2.0,
+        "request_throughput": 1.0,
+        "output_throughput": 8.0,
+        "ttfts": [0.1, 0.3, 9.0],
+        "itls": [[0.01, 0.02], [0.03], []],
+        "latencies": [0.2, 0.4, 9.0],
+        "errors": [None, "", "timeout"],
+    }
+    m = summarize(result)
+    assert m["ttft_p50_ms"] == 200.0 and m["ttft_p99_ms"] < 300.0
+    assert m["itl_p50_ms"] == 20.0
+    assert m["e2e_p99_ms"] < 400.0
+
+
+def test_sources_split_the_prompt_tokens() -> None:
+    engine = {"prefix_cache_hits": 1000, "external_prefix_cache_hits": 3000}
+    hp = {"memory_hits": 10, "memory_promotions": 4, "storage_hits": 3, "valkey_hits": 1}
+    s = sources(10_000, engine, hp, 256)
+    assert s["engine_cache"] == 1000 and s["connector"] == 3000 and s["recomputed"] == 6000
+    assert (s["hpkv_memory"], s["hpkv_storage"], s["hpkv_valkey"]) == (6 * 256, 3 * 256, 1 * 256)
+    assert "hpkv_memory" not in sources(10_000, engine, None, 256)
