@@ -72,7 +72,11 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
     ok = [e is None or e == "" for e in result["errors"]]
     ttfts = [t for t, good in zip(result["ttfts"], ok, strict=True) if good]
     itls = [x for row, good in zip(result["itls"], ok, strict=True) if good for x in row]
-    lat = [x for x, good in zip(result["latencies"], ok, strict=True) if good]
+    # vLLM 0.32 reports each request's latency; 0.26 does not: its first token plus the gaps after it.
+    latencies = result.get("latencies") or [
+        t + sum(g) for t, g in zip(result["ttfts"], result["itls"], strict=True)
+    ]
+    lat = [x for x, good in zip(latencies, ok, strict=True) if good]
     return {
         "completed": float(result["completed"]),
         "failed": float(result.get("failed", 0)),
