@@ -95,39 +95,25 @@ def rig(
     factory building ``backend``; this process plays TP rank ``tp_rank`` of ``tp_size``."""
     parallel_state(tp_rank, tp_size)
     layers, heads, dim = shape
-    host: Any
-    if mla:
-        kv: Any = MLATokenToKVPool(
-            device_tokens, page, dtype, 64, 16, layers, "cpu", False, start_layer=0, end_layer=layers
-        )
-        host = MLATokenToKVPoolHost(
-            kv.get_device_pool_infos()[0].buffer_info,
-            host_ratio,
-            0,
-            page,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=kv.size,
-            start_layer=0,
-            end_layer=layers,
-            target_layer_num=layers,
-        )
+    layer_range = {"start_layer": 0, "end_layer": layers}
+    kv: Any
+    if mla:  # one latent of 64 + 16 per token and layer
+        kv = MLATokenToKVPool(device_tokens, page, dtype, 64, 16, layers, "cpu", False, **layer_range)
+        host_cls, own = MLATokenToKVPoolHost, {"target_layer_num": layers}
     else:
-        kv = MHATokenToKVPool(
-            device_tokens, page, dtype, heads, dim, layers, "cpu", False, start_layer=0, end_layer=layers
-        )
-        host = MHATokenToKVPoolHost(
-            kv.get_device_pool_infos()[0].buffer_info,
-            host_ratio,
-            0,
-            page,
-            layout,
-            pin_memory=False,
-            device_capacity_tokens=kv.size,
-            start_layer=0,
-            end_layer=layers,
-            write_back_staging=kv.hicache_write_back_staging,
-        )
+        kv = MHATokenToKVPool(device_tokens, page, dtype, heads, dim, layers, "cpu", False, **layer_range)
+        host_cls, own = MHATokenToKVPoolHost, {"write_back_staging": kv.hicache_write_back_staging}
+    host = host_cls(
+        kv.get_device_pool_infos()[0].buffer_info,
+        host_ratio,
+        0,
+        page,
+        layout,
+        pin_memory=False,
+        device_capacity_tokens=kv.size,
+        **layer_range,
+        **own,
+    )
     alloc = PagedTokenToKVPoolAllocator(device_tokens, page, dtype, "cpu", kv, False)
     c = HiCacheController(
         alloc,
