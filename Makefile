@@ -86,7 +86,7 @@ compare: $(STAMP) $(PEERS_STAMP)
 # hpkv under concurrent multi-turn load next to vLLM alone (vLLM's own load generator), a few minutes.
 serve-demo: $(STAMP)
 	$(BIN)/hpkv bench serve --compare hpkv,none --users 12 --context 2048 --turns 3 --concurrency 1,4 \
-	  --engine-blocks 160 --pool-size 96M --out out/serve-demo
+	  --engine-blocks 160 --pool-size 96M --repeat 3 --out out/serve-demo
 
 bench-tiers: $(STAMP)
 	$(BIN)/hpkv bench tiers

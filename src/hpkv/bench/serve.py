@@ -26,6 +26,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -181,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-size", default="256M", help="hpkv's memory pool (and LMCache's L1)")
     ap.add_argument("--valkey", action="store_true", help="give hpkv (and LMCache) an embedded valkey too")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--repeat", type=int, default=1, help="rounds of every (level, system); system order alternates"
+    )
     ap.add_argument("--port", type=int, default=8341)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--vllm-args", default="--enforce-eager")
@@ -203,16 +207,19 @@ def main(argv: list[str] | None = None) -> int:
     requests = sessions(args.users, args.context, args.turns, args.question, args.seed, vocab)
     chunk = 256
     runs: list[dict[str, Any]] = []
-    for level in levels:
-        for system in systems:
-            runs.append(one_run(args, system, model, tokenizer, requests, level, chunk))
-            _print_run(runs[-1])
+    for rep in range(args.repeat):
+        for level in levels:
+            for system in systems if rep % 2 == 0 else systems[::-1]:
+                runs.append(one_run(args, system, model, tokenizer, requests, level, chunk) | {"repeat": rep})
+                _print_run(runs[-1])
     _compare_texts(runs)
     report = {"args": vars(args), "model": model, "requests": len(requests), "runs": runs}
     path = os.path.join(args.out, "serve.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print_table(runs, args)
+    if args.repeat > 1:
+        print_spread(runs)
     print(f"every run: {path}")
     print(f"charts: {charts(runs, args.out)}")
     return 0 if all(not r.get("error") for r in runs) else 1
@@ -292,7 +299,15 @@ def _compare_texts(runs: list[dict[str, Any]]) -> None:
     """Per run: how many generated texts equal vLLM alone's for the same request at the same level."""
     for r in runs:
         ref = next(
-            (x for x in runs if x["system"] == "none" and x["level"] == r["level"] and "texts" in x), None
+            (
+                x
+                for x in runs
+                if x["system"] == "none"
+                and x["level"] == r["level"]
+                and x.get("repeat") == r.get("repeat")
+                and "texts" in x
+            ),
+            None,
         )
         if ref is None or "texts" not in r:
             continue
@@ -358,6 +373,27 @@ def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     )
 
 
+def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """The runs that went through, by (level, system), in the order they ran."""
+    out: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        if not r.get("error"):
+            out.setdefault((_level_name(r["level"]), r["system"]), []).append(r)
+    return out
+
+
+def print_spread(runs: list[dict[str, Any]]) -> None:
+    """Across the repeats: the median and the range of the numbers a deployment is judged by."""
+    print("\nacross repeats: median (min-max)")
+    print(f"{'level':<16}{'system':<9}{'req/s':>22}{'TTFT p50 ms':>22}{'TTFT p99 ms':>22}")
+    for (name, system), rs in _groups(runs).items():
+        cells = []
+        for key, fmt in (("requests_per_s", ".2f"), ("ttft_p50_ms", ".0f"), ("ttft_p99_ms", ".0f")):
+            xs = [r["metrics"][key] for r in rs]
+            cells.append(f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})")
+        print(f"{name:<16}{system:<9}" + "".join(f"{c:>22}" for c in cells))
+
+
 def charts(runs: list[dict[str, Any]], out: str) -> str:
     """TTFT distribution per system and level; throughput and p99 TTFT against load."""
     try:
@@ -371,11 +407,11 @@ def charts(runs: list[dict[str, Any]], out: str) -> str:
     levels = sorted({_level_name(r["level"]) for r in ok}, key=lambda n: float(n.split()[1].rstrip("/s")))
     systems = list(dict.fromkeys(r["system"] for r in ok))
     fig, axes = plt.subplots(1, len(levels) + 2, figsize=(4.2 * (len(levels) + 2), 3.6))
+    groups = _groups(runs)
     for ax, name in zip(axes, levels, strict=False):
         for s in systems:
-            r = next((x for x in ok if x["system"] == s and _level_name(x["level"]) == name), None)
-            if r:
-                xs = sorted(t * 1e3 for t in r["ttfts"])
+            xs = sorted(t * 1e3 for r in groups.get((name, s), []) for t in r["ttfts"])  # every repeat
+            if xs:
                 ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=s)
         ax.set_title(f"TTFT, {name}")
         ax.set_xlabel("ms")
@@ -383,17 +419,25 @@ def charts(runs: list[dict[str, Any]], out: str) -> str:
         ax.set_xscale("log")
         ax.legend()
     for ax, key, title in (
-        (axes[-2], "requests_per_s", "throughput (req/s)"),
-        (axes[-1], "ttft_p99_ms", "p99 TTFT (ms)"),
+        (axes[-2], "requests_per_s", "throughput (req/s), median and range"),
+        (axes[-1], "ttft_p99_ms", "p99 TTFT (ms), median and range"),
     ):
         for s in systems:
-            pts = [
-                (float(_level_name(r["level"]).split()[1].rstrip("/s")), r["metrics"][key])
-                for r in ok
-                if r["system"] == s
-            ]
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=s)
+            pts = []
+            for name in levels:
+                vals = [r["metrics"][key] for r in groups.get((name, s), [])]
+                if vals:
+                    pts.append((float(name.split()[1].rstrip("/s")), vals))
+            med = [statistics.median(v) for _, v in pts]
+            ax.errorbar(
+                [x for x, _ in pts],
+                med,
+                yerr=[[m - min(v) for m, (_, v) in zip(med, pts, strict=True)],
+                      [max(v) - m for m, (_, v) in zip(med, pts, strict=True)]],
+                marker="o",
+                capsize=3,
+                label=s,
+            )  # fmt: skip
         ax.set_title(title)
         ax.set_xlabel("load (" + ("concurrency" if "concurrency" in ok[0]["level"] else "req/s") + ")")
         ax.legend()
