@@ -120,13 +120,13 @@ def test_a_hit_row_within_the_gpu_rows_noise_claims_no_load_rate(capsys: pytest.
 def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
     import argparse
 
-    from hpkv.bench.ttft import SYSTEMS, _Runner
+    from hpkv.bench.ttft import SYSTEMS, Runner
 
     assert "hpkv-layerwise" in SYSTEMS
     args = argparse.Namespace(url=None)
     hits = ["prefill", "gpu", "memory", "storage", "valkey"]
-    lw = _Runner(args, "hpkv-layerwise", None, [], E, [])
-    none = _Runner(args, "none", None, [], E, [])
+    lw = Runner(args, "hpkv-layerwise", None, [], E, [])
+    none = Runner(args, "none", None, [], E, [])
     try:
         assert lw.hpkv and lw.plan(hits) == hits  # every tier row, proven by hpkv's counters
         assert not none.hpkv and none.plan(hits) == ["prefill", "gpu"]

@@ -107,17 +107,6 @@ def sources(
     return out
 
 
-def hpkv_counts(stats: dict[str, Any]) -> dict[str, int]:
-    from hpkv.bench.server import counter
-
-    return {
-        "memory_hits": counter(stats, "memory", "hits"),
-        "memory_promotions": counter(stats, "memory", "promotions"),
-        "storage_hits": counter(stats, "storage", "hits"),
-        "valkey_hits": counter(stats, "valkey", "hits"),
-    }
-
-
 def run_load(
     server: Server, tokenizer: Any, requests: list[Turn], output_len: int, level: dict[str, float]
 ) -> dict[str, Any]:
@@ -244,8 +233,8 @@ def one_run(
     chunk: int,
 ) -> dict[str, Any]:
     """A fresh server for ``system`` (tiers empty), warm-up, the load, the counters around it."""
-    from hpkv.bench.ttft import _Runner
-    from hpkv.bench.verify import Expect
+    from hpkv.bench.ttft import Runner
+    from hpkv.bench.verify import Expect, hpkv_deltas
 
     targs = argparse.Namespace(
         url=None,
@@ -258,27 +247,27 @@ def one_run(
         out=args.out,
     )
     run: dict[str, Any] = {"system": system, "level": level}
-    runner = _Runner(targs, system, model, [], Expect(0, 0, 0), [])
+    runner = Runner(targs, system, model, [], Expect(0, 0, 0), [])
     try:
         tiers = ["memory", "storage"] + (["valkey"] if args.valkey else [])
-        if not runner._start(tiers):
+        if not runner.start(tiers):
             run["error"] = runner.out.error
             return run
         server = runner.server
         assert server is not None
         for w in range(2):  # warm-up: short prompts nobody revisits
             server.complete([7 + w] * 64, max_tokens=2)
-        is_hpkv = system == "hpkv"
-        hp0 = hpkv_counts(server.settled_stats()) if is_hpkv else None
+        is_hpkv = runner.hpkv
+        before = server.settled_stats() if is_hpkv else None
         eng0 = server.engine_counters()
         result = run_load(server, tokenizer, requests, args.output, level)
         after = server.drained_stats() if is_hpkv else None
-        hp1 = hpkv_counts(after) if after is not None else None
-        if after is not None:
-            run["hpkv_tiers"] = after.get("tiers", {})
         eng1 = server.engine_counters()
         engine = {k: eng1.get(k, 0) - eng0.get(k, 0) for k in eng1}
-        hp = {k: hp1[k] - hp0[k] for k in hp1} if hp0 is not None and hp1 is not None else None
+        hp = None
+        if before is not None and after is not None:
+            hp = hpkv_deltas(before, after)
+            run["hpkv_tiers"] = after.get("tiers", {})
         run["metrics"] = summarize(result)
         run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk)
         run["ttfts"] = result["ttfts"]
@@ -287,11 +276,7 @@ def one_run(
     except (ServerError, RuntimeError, OSError) as e:
         run["error"] = str(e).splitlines()[0][:300]
     finally:
-        runner._stop_all()
-        import shutil
-
-        shutil.rmtree(runner.shm, ignore_errors=True)
-        shutil.rmtree(runner.work, ignore_errors=True)
+        runner.close()
     return run
 
 

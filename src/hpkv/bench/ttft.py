@@ -60,7 +60,7 @@ from hpkv.bench.demo_model import SIZES
 from hpkv.bench.refs import drop_page_cache, memory_reference, raw_glide_gbps, raw_read_gbps
 from hpkv.bench.report import chart, first_error, kv_bytes_per_prompt, print_comparison, print_system
 from hpkv.bench.server import Server, ServerError
-from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, delta, verify_engine, verify_hpkv
+from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, hpkv_deltas, verify_engine, verify_hpkv
 
 CHUNK = 256
 
@@ -125,17 +125,7 @@ def run_scenario(
     if keyspace:
         d["keyspace_hits"] = keyspace() - hits0
     if hpkv:
-        for key, tier, what in (
-            ("loaded_tokens", "connector", "loaded_tokens"),
-            ("stored_tokens", "connector", "stored_tokens"),
-            ("memory_hits", "memory", "hits"),
-            ("memory_promotions", "memory", "promotions"),
-            ("storage_hits", "storage", "hits"),
-            ("page_cache_reads", "storage", "page_cache_reads"),
-            ("valkey_hits", "valkey", "hits"),
-            ("memory_bytes_read", "memory", "bytes_read"),
-        ):
-            d[key] = delta(before, after, tier, what)
+        d.update(hpkv_deltas(before, after))
         # Storage and valkey count each rank's shard: the engine says how many ranks it has.
         ok, proof = verify_hpkv(name, d, replace(expect, ranks=int(after.get("ranks", 1))))
     else:
@@ -246,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     log: list[dict[str, Any]] = []
     results = []
     for name in systems:
-        results.append(_Runner(args, name, model, prompts, expect, log).run(scenarios))
+        results.append(Runner(args, name, model, prompts, expect, log).run(scenarios))
 
     kv_bytes = max((kv_bytes_per_prompt(x.rows, args.prompts) for x in results), default=0)
     ref_what, ref = memory_reference(kv_bytes or (48 << 20))
@@ -299,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(not x.error and all(r.valid for r in x.rows) for x in ours) else 1
 
 
-class _Runner:
+class Runner:
     """One system's run on one engine: start, the scenarios in order with what each needs before it
     (a reset, a restart, emptied tiers), the references, stop."""
 
@@ -344,7 +334,7 @@ class _Runner:
     def run(self, scenarios: list[str]) -> System:
         todo = self.plan(scenarios)
         try:
-            if not self._start(todo):
+            if not self.start(todo):
                 return self.out
             from tqdm import tqdm
 
@@ -376,14 +366,12 @@ class _Runner:
             self.out.error = self.out.error or first_error(str(e))
             print(f"[{self.system}] stopped: {self.out.error}", flush=True)
         finally:
-            self._stop_all()
-            shutil.rmtree(self.shm, ignore_errors=True)
-            shutil.rmtree(self.work, ignore_errors=True)
+            self.close()
         return self.out
 
     # -- engines and servers ------------------------------------------------------------------
 
-    def _start(self, todo: list[str]) -> bool:
+    def start(self, todo: list[str]) -> bool:
         args = self.args
         if args.url is not None:
             u = urllib.parse.urlparse(args.url)
@@ -487,6 +475,12 @@ class _Runner:
                 self.lmcache.fs_dir = None
             self.lmcache.start()
         self.server.start()
+
+    def close(self) -> None:
+        """Stop what this run started and remove its directories."""
+        self._stop_all()
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
 
     def _stop_all(self) -> None:
         if self.server is not None and self.args.url is None:

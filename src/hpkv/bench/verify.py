@@ -49,6 +49,24 @@ def delta(before: dict[str, Any], after: dict[str, Any], tier: str, name: str) -
     return counter(after, tier, name) - counter(before, tier, name)
 
 
+# The hpkv counters the benches prove their rows with: name -> (tier, counter).
+HPKV_COUNTERS = {
+    "loaded_tokens": ("connector", "loaded_tokens"),
+    "stored_tokens": ("connector", "stored_tokens"),
+    "memory_hits": ("memory", "hits"),
+    "memory_promotions": ("memory", "promotions"),
+    "storage_hits": ("storage", "hits"),
+    "page_cache_reads": ("storage", "page_cache_reads"),
+    "valkey_hits": ("valkey", "hits"),
+    "memory_bytes_read": ("memory", "bytes_read"),
+}
+
+
+def hpkv_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """What hpkv did between two snapshots of its counters (storage and valkey: every rank's shard)."""
+    return {key: delta(before, after, tier, what) for key, (tier, what) in HPKV_COUNTERS.items()}
+
+
 @dataclass(frozen=True)
 class Expect:
     """What a scenario over ``prompts`` prompts must show: ``chunks`` chunks a hit loads per

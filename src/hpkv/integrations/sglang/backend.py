@@ -53,6 +53,15 @@ def page_key(key: str) -> bytes:
     return digest(text_bytes(key), person=b"hpkv-sglang")
 
 
+def _page_keys(keys: list[str]) -> list[bytes]:
+    return [page_key(k) for k in keys]
+
+
+def _leading(n: int, total: int) -> list[bool]:
+    """SGLang's per-page result for a run of ``n`` leading pages out of ``total``."""
+    return [True] * n + [False] * (total - n)
+
+
 class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     """hpkv's memory, storage and Valkey tiers under SGLang's HiCache (an L3 backend)."""
 
@@ -170,8 +179,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page.copy_(payload.view(dtype).view(page.shape))
 
         # SGLang asked batch_exists for these pages just before: read them without asking again.
-        n = self._need_store().load_chunks([page_key(k) for k in keys], consume, probe=False)
-        return [True] * n + [False] * (len(keys) - n)
+        return _leading(self._need_store().load_chunks(_page_keys(keys), consume, probe=False), len(keys))
 
     def batch_set_v1(
         self,
@@ -187,8 +195,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page = self._page(host_indices, i)
             payload.view(dtype).view(page.shape).copy_(page)
 
-        n = self._need_store().store_chunks([page_key(k) for k in keys], produce)
-        return [True] * n + [False] * (len(keys) - n)
+        return _leading(self._need_store().store_chunks(_page_keys(keys), produce), len(keys))
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -196,7 +203,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         """Pages held, as a leading run: memory and storage asked per page, Valkey once."""
         if not keys:
             return 0
-        located = self._need_store().locate_keys([page_key(k) for k in keys])
+        located = self._need_store().locate_keys(_page_keys(keys))
         return located.index(None) if None in located else len(located)
 
     def exists(self, key: str) -> bool:
@@ -204,15 +211,16 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     # -- the older interface (flat page tensors) ------------------------------------------
 
+    def _one_page(self, t: torch.Tensor, what: str) -> torch.Tensor:
+        if t.numel() * t.element_size() != self._page_bytes:
+            raise ValueError(f"{what} has {t.numel() * t.element_size()} bytes; a page is {self._page_bytes}")
+        return t
+
     def _flat_target(self, target: torch.Tensor | None) -> torch.Tensor:
         if target is None:
             fresh: torch.Tensor = self.host.get_dummy_flat_data_page()
             return fresh
-        if target.numel() * target.element_size() != self._page_bytes:
-            raise ValueError(
-                f"target has {target.numel() * target.element_size()} bytes; a page is {self._page_bytes}"
-            )
-        return target
+        return self._one_page(target, "a target")
 
     def batch_get(
         self,
@@ -225,7 +233,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         def consume(i: int, payload: torch.Tensor) -> None:
             targets[i].view(torch.uint8).view(-1).copy_(payload)
 
-        n = self._need_store().load_chunks([page_key(k) for k in keys], consume, probe=False)
+        n = self._need_store().load_chunks(_page_keys(keys), consume, probe=False)
         return [targets[i] if i < n else None for i in range(len(keys))]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -244,15 +252,12 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if len(vals) != len(keys):
             return False
         for v in vals:
-            if v.numel() * v.element_size() != self._page_bytes:
-                raise ValueError(
-                    f"a value has {v.numel() * v.element_size()} bytes; a page is {self._page_bytes}"
-                )
+            self._one_page(v, "a value")
 
         def produce(i: int, payload: torch.Tensor) -> None:
             payload.copy_(vals[i].contiguous().view(torch.uint8).view(-1))
 
-        return self._need_store().store_chunks([page_key(k) for k in keys], produce) == len(keys)
+        return self._need_store().store_chunks(_page_keys(keys), produce) == len(keys)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
