@@ -53,3 +53,5 @@ def test_sources_split_the_prompt_tokens() -> None:
     assert s["engine_cache"] == 1000 and s["connector"] == 3000 and s["recomputed"] == 6000
     assert (s["hpkv_memory"], s["hpkv_storage"], s["hpkv_valkey"]) == (6 * 256, 3 * 256, 1 * 256)
     assert "hpkv_memory" not in sources(10_000, engine, None, 256)
+    two = sources(10_000, engine, {**hp, "storage_hits": 6, "valkey_hits": 2}, 256, ranks=2)
+    assert (two["hpkv_storage"], two["hpkv_valkey"]) == (3 * 256, 1 * 256)  # each rank counts its shard

@@ -91,7 +91,7 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
 
 
 def sources(
-    prompt_tokens: int, engine: dict[str, int], hp: dict[str, int] | None, chunk: int
+    prompt_tokens: int, engine: dict[str, int], hp: dict[str, int] | None, chunk: int, ranks: int = 1
 ) -> dict[str, int]:
     """Where the prompt tokens came from: vLLM's own cache, a connector (for hpkv split by tier, from
     its chunk counters: a tier's share can include the prompt's last partial chunk), recomputed."""
@@ -101,8 +101,9 @@ def sources(
     if hp is not None:
         promoted = hp.get("memory_promotions", 0)
         out["hpkv_memory"] = max(hp.get("memory_hits", 0) - promoted, 0) * chunk
-        out["hpkv_storage"] = hp.get("storage_hits", 0) * chunk
-        out["hpkv_valkey"] = hp.get("valkey_hits", 0) * chunk
+        # Storage and valkey count each tensor-parallel rank's shard of a chunk.
+        out["hpkv_storage"] = hp.get("storage_hits", 0) // ranks * chunk
+        out["hpkv_valkey"] = hp.get("valkey_hits", 0) // ranks * chunk
     out["recomputed"] = max(prompt_tokens - own - ext, 0)
     return out
 
@@ -269,7 +270,8 @@ def one_run(
             hp = hpkv_deltas(before, after)
             run["hpkv_tiers"] = after.get("tiers", {})
         run["metrics"] = summarize(result)
-        run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk)
+        ranks = int(after.get("ranks", 1)) if after is not None else 1
+        run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk, ranks)
         run["ttfts"] = result["ttfts"]
         run["texts"] = result["generated_texts"]
         run["errors"] = [e for e in result["errors"] if e]
