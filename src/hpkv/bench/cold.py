@@ -4,14 +4,16 @@ Two servers on the same model, flags and thread binding run side by side: vLLM w
 every tier it has (memory + storage + valkey by default, an embedded valkey-server) and vLLM alone.
 Each round sends ``--prompts`` fresh prompts (never seen by either engine: cold everywhere) to one
 system, waits until hpkv's background writes of that round are done (so they never overlap the other
-system's requests), then the same number to the other; the order alternates every round (hpkv, none,
-none, hpkv, ...). Only one server computes at a time. Reported: the median TTFT per system and round,
-the median over rounds, the spread (min-max over rounds), and the ratio hpkv/none of the medians and
-its range over rounds. hpkv's counters prove that it stored every chunk of every prompt (else the
-round is marked).
+system's requests) and, for either system, until its processes have gone quiet (vLLM's workers
+busy-poll for a second after their last step), then the same number to the other; the order
+alternates every round (hpkv, none, none, hpkv, ...). Only one server computes at a time.
+Reported: the median TTFT per system and round, the median over rounds, the spread (min-max over
+rounds), and the ratio hpkv/none of the medians and its range over rounds. hpkv's counters prove
+that it stored every chunk of every prompt (else the round is marked).
 
-The CPU build runs the model in the process that also runs hpkv's scheduler side, so whatever
-hpkv's tier work costs shows up here; on a GPU the same command measures the GPU engine.
+On the CPU build hpkv's tier work (engine-core process) and the model (worker process) share the
+machine's cores, so whatever that work costs shows up here; on a GPU the same command measures the
+GPU engine.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers.values():  # warm both: the first request after a start pays one-off costs
             s.complete(fresh_prompts(model, 1, 256, seed=999_999)[0])
         servers["hpkv"].drained_stats()
+        for s in servers.values():
+            s.quiet()
         rows: dict[str, list[float]] = {"hpkv": [], "none": []}
         per_round: list[dict[str, float]] = []
         invalid: list[str] = []
@@ -117,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                     want = args.prompts * (args.tokens // CHUNK) * CHUNK
                     if stored != want:
                         invalid.append(f"round {r}: hpkv stored {stored} of {want} tokens")
+                # Both alike: the next system starts once this one has gone quiet (vLLM's workers
+                # busy-poll for a second after their last step; hpkv's write-behind above).
+                s.quiet()
                 med[name] = statistics.median(times)
                 rows[name].extend(times)
             per_round.append(med)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import subprocess
 import sys
 import time
@@ -193,6 +194,24 @@ class Server:
                 return st
             time.sleep(0.05)
 
+    def quiet(self, extra_pids: tuple[int, ...] = (), timeout: float = 15.0) -> float:
+        """Wait until the server's processes (its process group, plus ``extra_pids``) use less than
+        QUIET_CORES of CPU over a QUIET_WINDOW_S window, or ``timeout`` seconds; returns the seconds
+        waited. vLLM's workers busy-poll their queue for a second after every step (its shared-memory
+        message queue), and a benchmark that sends the next request to *another* server meanwhile
+        charges that server for it; waiting for quiet after every batch treats the systems alike."""
+        if self.proc is None:
+            return 0.0
+        t0 = time.monotonic()
+        last = group_cpu_seconds(self.proc.pid, extra_pids)
+        while time.monotonic() - t0 < timeout:
+            time.sleep(QUIET_WINDOW_S)
+            now = group_cpu_seconds(self.proc.pid, extra_pids)
+            if now - last < QUIET_CORES * QUIET_WINDOW_S:
+                break
+            last = now
+        return time.monotonic() - t0
+
     def metrics_stats(self) -> dict[str, Any]:
         """hpkv's counters from the server's Prometheus endpoint, summed over engine processes."""
         from prometheus_client.parser import text_string_to_metric_families
@@ -231,6 +250,33 @@ class Server:
                 if name in ENGINE_COUNTERS:
                     out[name] = out.get(name, 0) + int(sample.value)
         return out
+
+
+QUIET_WINDOW_S = 0.25
+QUIET_CORES = 0.05  # below this share of one core the server is idle (its housekeeping threads)
+
+
+def group_cpu_seconds(pgid: int, extra_pids: tuple[int, ...] = ()) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` and of
+    ``extra_pids`` (Linux /proc; 0 elsewhere)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total = 0
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # After the command's ")": state, ppid, pgrp, ..., utime (12th), stime (13th).
+        if int(fields[2]) == pgid or int(name) in extra_pids:
+            total += int(fields[11]) + int(fields[12])
+    return total / tick
 
 
 ENGINE_COUNTERS = (
