@@ -253,3 +253,61 @@ def test_a_flipped_byte_in_a_pool_slots_header_is_a_miss(make_store: Any) -> Non
     out = s.get(toks)
     assert out.shape[2] < 2 * CHUNK
     assert s.stats()["memory"]["corrupt"] >= 1
+
+
+def _resident_bytes(addr: int) -> int:
+    """Rss of the mapping that holds ``addr`` in this process (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+def test_an_attached_pool_is_read_ahead_only_when_asked_and_at_idle_priority(shm_dir: str) -> None:
+    """A CPU engine's worker maps the scheduler's pool: with ``prefault`` its own page tables are
+    filled in the background (else the first store into each slot pays the faults), by a thread
+    at nice 19 (it must not take the CPU from the model's threads)."""
+    size = 128 << 20
+    owner = ShmPool(pool_file_path(shm_dir, "pf"), size)
+    try:
+        plain = ShmPool.attach(owner.path, size)
+        assert _resident_bytes(plain.tensor.data_ptr()) < size // 4  # nothing touched it here
+        plain.close()
+        ahead = ShmPool.attach(owner.path, size, prefault=True)
+        thread = ahead._prefault
+        assert thread is not None
+        nice = None
+        while thread.is_alive() and nice != 19:  # 128 MiB of faults: a tenth of a second or more
+            if thread.native_id is not None:
+                try:
+                    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+                        nice = int(f.read().rsplit(")", 1)[1].split()[16])
+                except OSError:
+                    break  # it ended between the two lines
+        assert nice == 19
+        thread.join(timeout=60)
+        assert _resident_bytes(ahead.tensor.data_ptr()) >= size - (1 << 20)
+        ahead.close()
+        assert ahead._prefault is None
+    finally:
+        owner.close()
+
+
+def test_exit_while_an_attached_pool_is_read_ahead_is_clean(shm_dir: str) -> None:
+    path = os.path.join(shm_dir, "attach-exit.shm")
+    code = (
+        "from hpkv.tiers.memory.pool import ShmPool\n"
+        f"p = ShmPool({path!r}, 256 << 20)\n"
+        f"a = ShmPool.attach({path!r}, 256 << 20, prefault=True)\n"
+    )
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert "terminate called" not in r.stderr
+        assert not os.path.exists(path)

@@ -71,7 +71,10 @@ class HpkvWorker:
         if self.pool is None or path != self._pool_path:
             if self.pool is not None:
                 self.pool.close()
-            self.pool = ShmPool.attach(path, meta.pool_size)
+            # On CUDA page-locking maps every page; on a CPU engine the worker's own first touch of
+            # each page would land in the steps that store into it, so it is read ahead at idle priority.
+            cpu = self.mover is not None and not self.mover.cuda
+            self.pool = ShmPool.attach(path, meta.pool_size, prefault=cpu)
             self._pool_path = path
             self._announce = True
             if self.mover is not None:

@@ -28,11 +28,12 @@ import torch
 
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.paths import check_private_dir
-from hpkv.core.procs import pid_alive
+from hpkv.core.procs import background_priority, pid_alive
 
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
+PREFAULT_NICE = 19  # the prefault yields the CPU to everything else (the model's threads on a CPU build)
 _POOL_RE = re.compile(r"^hpkv-(\d+)-[0-9A-Za-z]+\.shm$")
 _counter = 0
 _counter_lock = threading.Lock()
@@ -196,21 +197,32 @@ class ShmPool:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.view = memoryview(self._mm)
         self._closed = False
-        self._stop_prefault = threading.Event()
-        self._prefault = threading.Thread(target=self._touch_all, name="hpkv-prefault", daemon=True)
-        self._prefault.start()
+        self._start_prefault()
         _OWNED.add(self)
         _install_exit_cleanup()
 
-    def _touch_all(self) -> None:
-        """Read one byte of every page, in the background, once.
+    def _start_prefault(self) -> None:
+        self._stop_prefault = threading.Event()
+        self._prefault = threading.Thread(target=self._touch_all, name="hpkv-prefault", daemon=True)
+        self._prefault.start()
+        _PREFAULTING.add(self)
+        _install_prefault_stop()
 
-        tmpfs hands out fallocated pages zeroed on their first fault; in a VM
-        with nested paging that costs ~10 µs per 4 KiB page (measured here), so
-        the first store into each slot would pay it on the engine's step.
-        Reading ahead of use moves that cost off the hot path (1 GiB: ~0.4 s of
-        one core, the GIL released). Stops early if the pool is closed.
+    def _touch_all(self) -> None:
+        """Read one byte of every page of this process's mapping, in the background, once.
+
+        tmpfs hands out fallocated pages zeroed on their first fault, and every
+        other process that maps the file faults each page into its own tables
+        again; in a VM with nested paging that costs up to ~10-17 µs per 4 KiB
+        page the first time the VM uses it and ~2 µs in a second process
+        (measured here), so the first store into each slot would pay it on the
+        engine's step. Reading ahead of use moves that cost off the hot path
+        (the GIL is released). The thread runs at the lowest priority: a 2 GiB
+        pool is 0.5 million faults, seconds of one core on a fresh VM, and at
+        the default priority it took them from the model right after a start
+        (vLLM's CPU build). Stops early if the pool is closed.
         """
+        background_priority(PREFAULT_NICE)
         step = 64 << 20
         pages = self.tensor[: self.size - self.size % PAGE].view(-1, PAGE)
         per_step = step // PAGE
@@ -219,11 +231,18 @@ class ShmPool:
                 return
             pages[i : i + per_step, 0].sum()
 
+    def _halt_prefault(self) -> None:
+        if self._prefault is not None:
+            self._stop_prefault.set()
+            self._prefault.join()
+            self._prefault = None
+
     @classmethod
-    def attach(cls, path: str, size: int) -> ShmPool:
+    def attach(cls, path: str, size: int, *, prefault: bool = False) -> ShmPool:
         """Map a pool file another process created (vLLM workers map the scheduler's pools).
 
-        The creator owns the file: ``close()`` here only unmaps.
+        The creator owns the file: ``close()`` here only unmaps. ``prefault``: touch every page of
+        this mapping in the background (a CPU engine's worker; CUDA's page-locking maps them all).
         """
         self = cls.__new__(cls)
         self.path, self.size = path, size
@@ -240,6 +259,8 @@ class ShmPool:
         self._closed = False
         self._owner = False
         self._prefault = None
+        if prefault:
+            self._start_prefault()
         return self
 
     _owner = True
@@ -261,9 +282,7 @@ class ShmPool:
         if self._closed:
             return
         self._closed = True
-        if self._prefault is not None:
-            self._stop_prefault.set()
-            self._prefault.join()
+        self._halt_prefault()
         if self._owner and not self._unlinked:
             _unlink_quietly(self.path)
         self.view.release()
@@ -299,6 +318,27 @@ def _install_exit_cleanup() -> None:
             signal.signal(sig, _make_handler(previous))
         except (ValueError, OSError):  # not the main thread: atexit still covers a normal exit
             pass
+
+
+# Pools whose mapping a prefault thread is still reading: stopped at interpreter exit, before daemon
+# threads are frozen mid-read.
+_PREFAULTING: weakref.WeakSet[ShmPool] = weakref.WeakSet()
+_prefault_stop_installed = False
+
+
+def _install_prefault_stop() -> None:
+    global _prefault_stop_installed
+    with _install_lock:
+        if _prefault_stop_installed:
+            return
+        _prefault_stop_installed = True
+    atexit.register(_stop_prefaults)
+
+
+def _stop_prefaults() -> None:
+    for pool in list(_PREFAULTING):
+        with contextlib.suppress(Exception):
+            pool._halt_prefault()
 
 
 def _close_owned() -> None:
