@@ -57,5 +57,8 @@ def test_a_pool_that_holds_the_working_set_serves_revisits_from_memory(
     assert rc == 0, capsys.readouterr().out
     with open(os.path.join(out, "serve.json")) as f:
         s = json.load(f)["runs"][0]["sources"]
-    assert s["connector"] >= 4 * 1024 - 4 * 64, s  # every revisit's context, from hpkv
-    assert s["hpkv_memory"] >= 4 * 1024 and s["hpkv_storage"] == 0, s
+    # Every revisit's context came from a cache: mostly hpkv's memory, a few leading blocks sometimes
+    # from the engine's own 40 (which ones survive depends on which requests shared its steps).
+    assert s["engine_cache"] + s["connector"] >= 4 * 1024 - 4 * 64, s
+    assert s["connector"] >= 3 * 1024, s
+    assert s["hpkv_memory"] >= s["connector"] and s["hpkv_storage"] == 0, s
