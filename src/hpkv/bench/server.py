@@ -194,19 +194,19 @@ class Server:
                 return st
             time.sleep(0.05)
 
-    def quiet(self, extra_pids: tuple[int, ...] = (), timeout: float = 15.0) -> float:
-        """Wait until the server's processes (its process group, plus ``extra_pids``) use less than
-        QUIET_CORES of CPU over a QUIET_WINDOW_S window, or ``timeout`` seconds; returns the seconds
-        waited. vLLM's workers busy-poll their queue for a second after every step (its shared-memory
-        message queue), and a benchmark that sends the next request to *another* server meanwhile
-        charges that server for it; waiting for quiet after every batch treats the systems alike."""
+    def quiet(self, timeout: float = 15.0) -> float:
+        """Wait until the server's processes (its process group) use less than QUIET_CORES of CPU
+        over a QUIET_WINDOW_S window, or ``timeout`` seconds; returns the seconds waited. vLLM's
+        workers busy-poll their queue for a second after every step (its shared-memory message
+        queue), and a benchmark that sends the next request to *another* server meanwhile charges
+        that server for it; waiting for quiet after every batch treats the systems alike."""
         if self.proc is None:
             return 0.0
         t0 = time.monotonic()
-        last = group_cpu_seconds(self.proc.pid, extra_pids)
+        last = group_cpu_seconds(self.proc.pid)
         while time.monotonic() - t0 < timeout:
             time.sleep(QUIET_WINDOW_S)
-            now = group_cpu_seconds(self.proc.pid, extra_pids)
+            now = group_cpu_seconds(self.proc.pid)
             if now - last < QUIET_CORES * QUIET_WINDOW_S:
                 break
             last = now
@@ -256,10 +256,9 @@ QUIET_WINDOW_S = 0.25
 QUIET_CORES = 0.05  # below this share of one core the server is idle (its housekeeping threads)
 
 
-def group_cpu_seconds(pgid: int, extra_pids: tuple[int, ...] = ()) -> float:
-    """User + system CPU seconds of every live process in process group ``pgid`` and of
-    ``extra_pids`` (Linux /proc; 0 elsewhere)."""
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+def group_cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc;
+    0 elsewhere)."""
     total = 0
     try:
         names = os.listdir("/proc")
@@ -274,9 +273,9 @@ def group_cpu_seconds(pgid: int, extra_pids: tuple[int, ...] = ()) -> float:
         except OSError:
             continue
         # After the command's ")": state, ppid, pgrp, ..., utime (12th), stime (13th).
-        if int(fields[2]) == pgid or int(name) in extra_pids:
+        if int(fields[2]) == pgid:
             total += int(fields[11]) + int(fields[12])
-    return total / tick
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 ENGINE_COUNTERS = (

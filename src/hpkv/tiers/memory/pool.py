@@ -206,7 +206,6 @@ class ShmPool:
         self._prefault = threading.Thread(target=self._touch_all, name="hpkv-prefault", daemon=True)
         self._prefault.start()
         _PREFAULTING.add(self)
-        _install_prefault_stop()
 
     def _touch_all(self) -> None:
         """Read one byte of every page of this process's mapping, in the background, once.
@@ -320,21 +319,12 @@ def _install_exit_cleanup() -> None:
             pass
 
 
-# Pools whose mapping a prefault thread is still reading: stopped at interpreter exit, before daemon
-# threads are frozen mid-read.
+# Pools whose mapping a prefault thread may still be reading (attached ones too): stopped at
+# interpreter exit, before daemon threads are frozen mid-read.
 _PREFAULTING: weakref.WeakSet[ShmPool] = weakref.WeakSet()
-_prefault_stop_installed = False
 
 
-def _install_prefault_stop() -> None:
-    global _prefault_stop_installed
-    with _install_lock:
-        if _prefault_stop_installed:
-            return
-        _prefault_stop_installed = True
-    atexit.register(_stop_prefaults)
-
-
+@atexit.register
 def _stop_prefaults() -> None:
     for pool in list(_PREFAULTING):
         with contextlib.suppress(Exception):
