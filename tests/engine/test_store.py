@@ -255,3 +255,26 @@ def test_put_validates_shape_and_dtype(make_store: StoreFactory) -> None:
         s.put(toks, random_kv(SMALL, CHUNK + 1))
     with pytest.raises(ValueError, match="dtype"):
         s.put(toks, random_kv(SMALL, CHUNK).to(torch.float32))
+
+
+def test_hpkv_threads_carry_their_names_at_the_os_level(make_store: StoreFactory) -> None:
+    """top -H, /proc and profilers must tell hpkv's threads from the engine's (CPython leaves every
+    thread with the process's name): the promotion and write-behind threads name themselves."""
+    toks = random_tokens(4 * CHUNK)
+    kv = random_kv(SMALL, len(toks))
+    a = make_store()
+    a.put(toks, kv)
+    a.flush()
+    a.close()
+    b = make_store()  # an empty pool: the lookup promotes from storage on the I/O threads
+    assert bits_equal(b.get(toks), kv)
+    assert b.stats()["storage"]["hits"] == 4
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.add(f.read().strip())
+        except OSError:
+            continue
+    assert "hpkv-cascade" in names, names
+    assert any(n.startswith("hpkv-io") for n in names), names

@@ -17,7 +17,9 @@ import itertools
 import json
 import os
 import shutil
+import signal
 import statistics
+import subprocess
 import tempfile
 import threading
 import time
@@ -29,6 +31,7 @@ from hpkv.bench.server import Server, counter
 from hpkv.bench.ttft import model_dtype
 
 CHUNK = 256
+ALONE_WINDOW_S = 0.35  # about as long as a load from storage or valkey takes on the H200
 
 
 def stream_times(server: Server, prompt: str, n: int, times: list[float]) -> None:
@@ -62,19 +65,108 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] if s else float("nan")
 
 
-def run_case(server: Server, decode: str, n: int, load: str | None, after: int) -> dict[str, Any]:
-    """D alone (``load`` None) or with P sent once D has produced ``after`` tokens."""
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` so far, by thread name with its
+    trailing number dropped (``hpkv-io_3`` counts as ``hpkv-io``; hpkv names its threads at the OS
+    level): ``main`` is the process's first thread (vLLM's engine loop; at TP=1 on a GPU also the
+    model runner), ``python`` the other threads that kept the process's name; {} where /proc cannot say."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+        with open(f"/proc/{pid}/comm") as f:
+            proc_name = f.read().strip()
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        comm = head.split("(", 1)[1]
+        name = "main" if tid == str(pid) else "python" if comm == proc_name else comm
+        name = name.rstrip("0123456789").rstrip("-_:") or comm
+        fields = tail.split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+class Watch:
+    """What the engine's process did while P was in flight: each thread's CPU time and, with
+    ``py_spy`` (the path of py-spy), a sampled profile of its threads written under ``out``
+    (``gil``: only the thread holding the GIL is sampled, so the counts say who held it; else every
+    thread that is not idle)."""
+
+    def __init__(self, pid: int, py_spy: str | None, out: str) -> None:
+        self.pid, self.py_spy, self.out = pid, py_spy, out
+        self._prof: subprocess.Popen[bytes] | None = None
+        self._cpu: dict[str, float] = {}
+
+    def start_profile(self, name: str, gil: bool) -> None:
+        if self.py_spy:
+            path = os.path.join(self.out, f"profile-{name}-{'gil' if gil else 'active'}.txt")
+            cmd = [
+                self.py_spy,
+                "record",
+                "--pid",
+                str(self.pid),
+                "--nonblocking",
+                "--threads",
+                "--rate",
+                "250",
+            ]
+            cmd += ["--gil"] * gil + ["--format", "raw", "-o", path]
+            self._prof = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            time.sleep(0.5)  # attached before P is sent
+
+    def begin(self) -> None:
+        self._cpu = thread_cpu(self.pid)
+
+    def end(self) -> dict[str, float]:
+        now = thread_cpu(self.pid)
+        if self._prof is not None:
+            self._prof.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+            try:
+                self._prof.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._prof.kill()
+            self._prof = None
+        used = {k: v - self._cpu.get(k, 0.0) for k, v in now.items()}
+        return {k: round(v, 3) for k, v in sorted(used.items(), key=lambda kv: -kv[1]) if v > 0}
+
+
+def run_case(
+    server: Server,
+    decode: str,
+    n: int,
+    load: str | None,
+    after: int,
+    watch: Watch | None = None,
+    name: str = "",
+    gil: bool = False,
+) -> dict[str, Any]:
+    """D alone (``load`` None) or with P sent once D has produced ``after`` tokens. With ``watch``,
+    also each engine thread's CPU seconds while P was in flight (D alone: over ALONE_WINDOW_S)."""
     window: list[float] = []
     ttft: list[float] = []
     times: list[float] = []
+    threads: dict[str, float] = {}
     t = threading.Thread(target=stream_times, args=(server, decode, n, times))
     t.start()
+    while len(times) < after and t.is_alive():  # stream_times appends as tokens arrive
+        time.sleep(0.002)
+    if watch is not None:
+        watch.start_profile(name, gil)
+        watch.begin()
     if load is not None:
-        while len(times) < after and t.is_alive():  # stream_times appends as tokens arrive
-            time.sleep(0.002)
         t0 = time.perf_counter()
         ttft.append(server.complete(load, max_tokens=1)[0])
         window = [t0, time.perf_counter()]
+    elif watch is not None:
+        time.sleep(ALONE_WINDOW_S)
+    if watch is not None:
+        threads = watch.end()
     t.join()
     gaps = [(b - a, b) for a, b in itertools.pairwise(times)]
     inside = [g for g, at in gaps if window and window[0] <= at <= window[1] + 0.001] if window else []
@@ -86,6 +178,7 @@ def run_case(server: Server, decode: str, n: int, load: str | None, after: int) 
         "itl_max_ms": 1e3 * max(use) if use else float("nan"),
         "tokens_in_window": len(use),
         "load_ttft_s": ttft[0] if ttft else None,
+        "engine_threads_cpu_s": threads,
     }
 
 
@@ -100,7 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8371)
     ap.add_argument("--out", default="out/bench-itl")
     ap.add_argument("--vllm-args", default="--enforce-eager")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also sample the engine process with py-spy while P is in flight (runs alternate --gil, "
+        "which samples only the GIL's holder, and every active thread); raw stacks in --out",
+    )
     args = ap.parse_args(argv)
+    py_spy = shutil.which("py-spy") if args.profile else None
+    if args.profile and py_spy is None:
+        ap.error("--profile needs py-spy on PATH (pip install py-spy)")
     os.makedirs(args.out, exist_ok=True)
     model = args.model
     if model is None:
@@ -138,20 +240,26 @@ def main(argv: list[str] | None = None) -> int:
         s.start()
         for p in loads:  # stored to memory, storage and valkey
             s.complete(p)
-        s.drained_stats()
+        watch = Watch(int(s.drained_stats()["pid"]), py_spy, args.out)
 
         def reset() -> None:
             s.reset_prefix_cache(external=True)
 
         for i in range(args.repeat):
             reset()
-            results["alone"].append(run_case(s, decode, args.decode_tokens, None, after))
+            results["alone"].append(
+                run_case(s, decode, args.decode_tokens, None, after, watch, f"alone-{i}", i % 2 == 0)
+            )
             reset()
-            results["prefill"].append(run_case(s, decode, args.decode_tokens, fresh[i], after))
+            results["prefill"].append(
+                run_case(s, decode, args.decode_tokens, fresh[i], after, watch, f"prefill-{i}", i % 2 == 0)
+            )
             reset()
             drop_page_cache(storage)
             before = s.settled_stats()
-            results["storage"].append(run_case(s, decode, args.decode_tokens, loads[i], after))
+            results["storage"].append(
+                run_case(s, decode, args.decode_tokens, loads[i], after, watch, f"storage-{i}", i % 2 == 0)
+            )
             st = s.settled_stats()
 
             def d(tier: str, name: str) -> int:
@@ -164,10 +272,22 @@ def main(argv: list[str] | None = None) -> int:
         s.stop()
         s.env.pop("HPKV_KV_STORAGE_PATH")
         s.start()
+        watch = Watch(int(s.settled_stats()["pid"]), py_spy, args.out)
         for i in range(args.repeat):
             reset()
             before = s.settled_stats()
-            results["valkey"].append(run_case(s, decode, args.decode_tokens, loads[args.repeat + i], after))
+            results["valkey"].append(
+                run_case(
+                    s,
+                    decode,
+                    args.decode_tokens,
+                    loads[args.repeat + i],
+                    after,
+                    watch,
+                    f"valkey-{i}",
+                    i % 2 == 0,
+                )
+            )
             st = s.settled_stats()
             proofs["valkey"].append(
                 f"valkey hits {counter(st, 'valkey', 'hits') - counter(before, 'valkey', 'hits')}"
@@ -195,6 +315,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{ttft:7.3f}s  {n:6}  " + "; ".join(proofs[case])
         )
     print(f"(a load from a tier is proven by {chunks} hits per run)")
+    print("engine process, CPU seconds per thread while P was in flight (D alone: 0.35 s), median over runs:")
+    for case, rs in results.items():
+        names = {k for r in rs for k in r["engine_threads_cpu_s"]}
+        med = {k: statistics.median([r["engine_threads_cpu_s"].get(k, 0.0) for r in rs]) for k in names}
+        top = sorted(med.items(), key=lambda kv: -kv[1])[:8]
+        print(f"  {case:10} " + ", ".join(f"{k} {v:.3f}" for k, v in top if v > 0))
     with open(os.path.join(args.out, "itl.json"), "w") as f:
         json.dump({"results": results, "proofs": proofs}, f, indent=1)
     return 0

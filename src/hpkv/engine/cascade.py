@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from hpkv.core.procs import background_priority
+from hpkv.core.procs import background_priority, name_os_thread
 from hpkv.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ class Cascade:
     def _run(self) -> None:
         # Write-behind is never urgent: where it shares cores with the model (vLLM's CPU build),
         # it must take the CPU only when the model does not need it.
+        name_os_thread()
         background_priority(CASCADE_NICE)
         while True:
             item = self._q.get()

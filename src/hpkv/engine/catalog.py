@@ -37,6 +37,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
+from hpkv.core.procs import name_os_thread
 from hpkv.core.stats import TierStats
 from hpkv.engine.cascade import Cascade
 from hpkv.tiers.base import TIERS, Tier, builder
@@ -131,7 +132,7 @@ class Catalog:
         self._protected: dict[bytes, int] = {}
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io")
+        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
         self._scratch = threading.local()
         self._closed = False
         self._cascade = Cascade(

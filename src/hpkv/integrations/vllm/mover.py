@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from hpkv.core.procs import name_os_thread
 from hpkv.integrations.vllm.paged import PagedKV
 
 log = logging.getLogger("hpkv")
@@ -324,6 +325,7 @@ class Mover:
         self._done.put((landed, on_done))
 
     def _complete(self) -> None:
+        name_os_thread()
         while True:
             item = self._done.get()
             if item is None:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace
+from hpkv.core.procs import name_os_thread
 from hpkv.engine.catalog import MEMORY, Catalog
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
@@ -422,6 +423,7 @@ class HpkvScheduler:
         self.stats_file.write(self.stats, force=force)
 
     def _refresh_stats(self) -> None:
+        name_os_thread()
         while not self._stop.wait(STATS_REFRESH_S):
             try:
                 self._write_stats()

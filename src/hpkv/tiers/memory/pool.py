@@ -28,7 +28,7 @@ import torch
 
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.paths import check_private_dir
-from hpkv.core.procs import background_priority, pid_alive
+from hpkv.core.procs import background_priority, name_os_thread, pid_alive
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +221,7 @@ class ShmPool:
         the default priority it took them from the model right after a start
         (vLLM's CPU build). Stops early if the pool is closed.
         """
+        name_os_thread()
         background_priority(PREFAULT_NICE)
         step = 64 << 20
         pages = self.tensor[: self.size - self.size % PAGE].view(-1, PAGE)

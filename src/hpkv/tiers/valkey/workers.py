@@ -31,6 +31,7 @@ from enum import IntEnum
 from typing import Any, TypeVar
 
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.procs import name_os_thread
 from hpkv.tiers.valkey.client import ValkeySettings, connect, glide
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ class WorkerPool:
             threading.Thread(target=self._reconnect, name="hpkv-valkey-reconnect", daemon=True).start()
 
     def _reconnect(self) -> None:
+        name_os_thread()
         delay = _RETRY_FIRST_S
         while not self._closed:
             time.sleep(delay)
@@ -211,6 +213,7 @@ class WorkerPool:
             client.close()
 
     def _work(self) -> None:
+        name_os_thread()
         g = glide()
         down_errors = (g.ConnectionError, g.ClosingError, g.TimeoutError, OSError)
         while True:
