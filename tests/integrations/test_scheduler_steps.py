@@ -334,7 +334,9 @@ def test_a_preempted_request_looks_up_again_without_leaking_pins(make_sim: Any) 
     assert sim.pinned() == 0
 
 
-def test_a_leased_chunk_is_not_evicted_before_its_load(make_sim: Any) -> None:
+def test_a_leased_chunk_is_not_evicted_before_its_load(
+    make_sim: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     sim = with_slots(make_sim, 4, storage_path=None)
     tokens = prompt(2, seed=9)
     assert sim.cold("a", tokens) == 2
@@ -342,8 +344,14 @@ def test_a_leased_chunk_is_not_evicted_before_its_load(make_sim: Any) -> None:
     assert sim.lookup_settled(req) == 2 * CHUNK
     lks = sim.cat.keys(tokens)
     # Other requests store 4 chunks meanwhile: only the 2 free slots may be taken.
-    assert sim.cold("other", prompt(4, seed=10)) == 2
+    with caplog.at_level("WARNING", logger="hpkv"):
+        assert sim.cold("other", prompt(4, seed=10)) == 2
     assert all(sim.cat.in_memory(lk) for lk in lks)
+    # The two chunks that found no slot are counted and said once, with the setting that helps.
+    assert sim.counters()["stores_skipped_pool_full"] == 2
+    said = [r.getMessage() for r in caplog.records if "not stored" in r.getMessage()]
+    assert len(said) == 1 and "4 of 4 slots" in said[0], said
+    assert f"a larger {sim.s.config.where('mem_pool_size')} (now" in said[0]
     sim.admit(req, 2 * CHUNK)
     meta = sim.step([(req, 2 * CHUNK, 1)])
     [load] = meta.loads

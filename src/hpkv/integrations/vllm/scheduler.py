@@ -41,6 +41,7 @@ STAGE_GIVE_UP_S = 30.0
 IDLE_WAIT_S = 0.02
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 PENDING_OPS_MAX_S = 60.0
+POOL_FULL_LOG_S = 30.0  # at most one "pool full, chunks not stored" warning per this many seconds
 
 
 @dataclass
@@ -121,7 +122,10 @@ class HpkvScheduler:
             "load_failures": 0,
             "store_failures": 0,
             "skipped_requests": 0,
+            "stores_skipped_pool_full": 0,
         }
+        self._pool_full_logged = 0.0
+        self._pool_full_since_log = 0
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self._write_stats(force=True)
         # Background tier work (cascade writes, promotions) changes counters between steps.
@@ -310,6 +314,7 @@ class HpkvScheduler:
                 continue
             reserved = self.catalog.reserve()
             if reserved is None:
+                self._pool_full(req_id)
                 continue
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
             op = self._new_op(
@@ -317,6 +322,30 @@ class HpkvScheduler:
             )
             self._pending_store.add(lk)
             meta.stores.append(StoreChunk(op, reserved, lk, blocks))
+
+    def _pool_full(self, req_id: str) -> None:
+        """A computed chunk found no slot to be stored in (every slot pinned by loads in flight or by
+        write-behind the slower tiers have not taken yet): it reaches no tier, and a later revisit
+        recomputes it. Counted, and said at most once per POOL_FULL_LOG_S."""
+        self._counters["stores_skipped_pool_full"] += 1
+        self._pool_full_since_log += 1
+        now = time.monotonic()
+        if now - self._pool_full_logged < POOL_FULL_LOG_S:
+            return
+        mem = self.catalog.stats().get(MEMORY, {})
+        log.warning(
+            "hpkv: %d chunk(s) not stored (latest: request %s): every memory slot was pinned "
+            "(%d of %d slots; %d chunks queued for the slower tiers). They reach no tier and a revisit "
+            "recomputes them; a larger %s (now %.1f MiB) keeps up with more.",
+            self._pool_full_since_log,
+            req_id,
+            mem.get("pinned_slots", 0),
+            self.catalog.num_slots,
+            mem.get("cascade_pending", 0),
+            self.config.where("mem_pool_size"),
+            self.config.mem_pool_size / 2**20,
+        )
+        self._pool_full_logged, self._pool_full_since_log = now, 0
 
     def _new_op(self, op: _Op) -> int:
         op_id = self._next_op
