@@ -99,7 +99,7 @@ class Mover:
             self.scatter_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.store_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.d2h_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            self._done: queue.Queue[tuple[Any, Callable[[], None]] | None] = queue.Queue()
+            self._done: queue.Queue[tuple[Any, Callable[[], None], Any] | None] = queue.Queue()
             self._thread = threading.Thread(target=self._complete, name="hpkv-mover", daemon=True)
             self._thread.start()
 
@@ -287,20 +287,34 @@ class Mover:
 
     # -- stores ------------------------------------------------------------------------
 
-    def store(self, items: list[StoreItem], on_done: Callable[[], None]) -> None:
+    def store(
+        self,
+        items: list[StoreItem],
+        on_done: Callable[[], None],
+        on_timing: Callable[[float], None] | None = None,
+    ) -> None:
         """Copy the items' blocks into their pool payloads, then call ``on_done`` (CPU: before
-        returning; CUDA: on the mover's thread once the device->host copy has landed)."""
+        returning; CUDA: on the mover's thread once the device->host copy has landed) and
+        ``on_timing`` with the seconds the copies took (CUDA: events from when the store stream may
+        start, after the forward pass, to the last byte landed in the pool; never the enqueue)."""
         if not items:
             return
         if not self.cuda:
+            t0 = time.perf_counter()
             for it in items:
                 self.paged.gather(it.payload, it.block_ids)
+            took = time.perf_counter() - t0
             on_done()
+            if on_timing is not None:
+                on_timing(took)
             return
         compute = torch.cuda.current_stream(self.device)
         written = _event()
         written.record(compute)  # after the forward pass that wrote these blocks
         self.store_stream.wait_event(written)
+        began = _event(timing=True) if on_timing is not None else None
+        if began is not None:
+            began.record(self.store_stream)
         nbytes = items[0].payload.numel()
         gathered: Any = None
         # In groups: the gather of group g+1 (store stream) overlaps the device->host copy of
@@ -318,11 +332,12 @@ class Mover:
                 for j, it in enumerate(group):
                     it.payload.copy_(buf[j], non_blocking=True)
             self._release(name, self.d2h_stream)
-        landed = _event()
+        landed = _event(timing=began is not None)
         landed.record(self.d2h_stream)
         # The engine may overwrite these blocks in its next step: only after the gathers read them.
         compute.wait_event(gathered)
-        self._done.put((landed, on_done))
+        timing = (began, on_timing) if began is not None and on_timing is not None else None
+        self._done.put((landed, on_done, timing))
 
     def _complete(self) -> None:
         name_os_thread()
@@ -330,10 +345,13 @@ class Mover:
             item = self._done.get()
             if item is None:
                 return
-            ev, fn = item
+            ev, fn, timing = item
             try:
                 ev.synchronize()
                 fn()
+                if timing is not None:
+                    began, on_timing = timing
+                    on_timing(float(began.elapsed_time(ev)) / 1e3)
             except Exception:
                 log.exception("hpkv: completing a store failed")
             finally:
