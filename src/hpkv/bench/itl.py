@@ -30,7 +30,7 @@ from typing import Any
 
 from hpkv.bench.cold import fresh_prompts
 from hpkv.bench.refs import drop_page_cache
-from hpkv.bench.server import Server, counter
+from hpkv.bench.server import Server, counter, read_stat, stat_cpu_seconds
 from hpkv.bench.ttft import model_dtype
 
 CHUNK = 256
@@ -74,7 +74,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
     level): ``main`` is the process's first thread (vLLM's engine loop; at TP=1 on a GPU also the
     model runner), ``python`` the other threads that kept the process's name; {} where /proc cannot say."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     try:
         tids = os.listdir(f"/proc/{pid}/task")
         with open(f"/proc/{pid}/comm") as f:
@@ -82,16 +81,13 @@ def thread_cpu(pid: int) -> dict[str, float]:
     except OSError:
         return out
     for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                head, tail = f.read().rsplit(")", 1)
-        except OSError:
+        st = read_stat(f"/proc/{pid}/task/{tid}/stat")
+        if st is None:
             continue
-        comm = head.split("(", 1)[1]
+        comm, fields = st
         name = "main" if tid == str(pid) else "python" if comm == proc_name else comm
         name = name.rstrip("0123456789").rstrip("-_:") or comm
-        fields = tail.split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + stat_cpu_seconds(fields)
     return out
 
 

@@ -256,26 +256,35 @@ QUIET_WINDOW_S = 0.25
 QUIET_CORES = 0.05  # below this share of one core the server is idle (its housekeeping threads)
 
 
+def read_stat(path: str) -> tuple[str, list[str]] | None:
+    """A /proc ``stat`` file (a process's or a thread's): its command name and the fields after it
+    (state, ppid, pgrp, ..., utime at [11], stime at [12]); None when it cannot be read."""
+    try:
+        with open(path) as f:
+            head, tail = f.read().rsplit(")", 1)
+    except (OSError, ValueError):
+        return None
+    return head.split("(", 1)[1], tail.split()
+
+
+def stat_cpu_seconds(fields: list[str]) -> float:
+    """User + system CPU seconds from the fields :func:`read_stat` returns."""
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def group_cpu_seconds(pgid: int) -> float:
     """User + system CPU seconds of every live process in process group ``pgid`` (Linux /proc;
     0 elsewhere)."""
-    total = 0
     try:
         names = os.listdir("/proc")
     except OSError:
         return 0.0
+    total = 0.0
     for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # After the command's ")": state, ppid, pgrp, ..., utime (12th), stime (13th).
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        st = read_stat(f"/proc/{name}/stat") if name.isdigit() else None
+        if st is not None and int(st[1][2]) == pgid:
+            total += stat_cpu_seconds(st[1])
+    return total
 
 
 ENGINE_COUNTERS = (

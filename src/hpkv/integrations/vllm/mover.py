@@ -99,7 +99,9 @@ class Mover:
             self.scatter_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.store_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
             self.d2h_stream: Any = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-            self._done: queue.Queue[tuple[Any, Callable[[], None], Any] | None] = queue.Queue()
+            self._done: queue.Queue[
+                tuple[Any, Callable[[], None], Callable[[float], None] | None, Any] | None
+            ] = queue.Queue()
             self._thread = threading.Thread(target=self._complete, name="hpkv-mover", daemon=True)
             self._thread.start()
 
@@ -312,8 +314,9 @@ class Mover:
         written = _event()
         written.record(compute)  # after the forward pass that wrote these blocks
         self.store_stream.wait_event(written)
-        began = _event(timing=True) if on_timing is not None else None
-        if began is not None:
+        began = None  # the timing events only when someone reads them
+        if on_timing is not None:
+            began = _event(timing=True)
             began.record(self.store_stream)
         nbytes = items[0].payload.numel()
         gathered: Any = None
@@ -332,12 +335,11 @@ class Mover:
                 for j, it in enumerate(group):
                     it.payload.copy_(buf[j], non_blocking=True)
             self._release(name, self.d2h_stream)
-        landed = _event(timing=began is not None)
+        landed = _event(timing=on_timing is not None)
         landed.record(self.d2h_stream)
         # The engine may overwrite these blocks in its next step: only after the gathers read them.
         compute.wait_event(gathered)
-        timing = (began, on_timing) if began is not None and on_timing is not None else None
-        self._done.put((landed, on_done, timing))
+        self._done.put((landed, on_done, on_timing, began))
 
     def _complete(self) -> None:
         name_os_thread()
@@ -345,12 +347,11 @@ class Mover:
             item = self._done.get()
             if item is None:
                 return
-            ev, fn, timing = item
+            ev, fn, on_timing, began = item
             try:
                 ev.synchronize()
                 fn()
-                if timing is not None:
-                    began, on_timing = timing
+                if on_timing is not None:
                     on_timing(float(began.elapsed_time(ev)) / 1e3)
             except Exception:
                 log.exception("hpkv: completing a store failed")
