@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 import pytest
 
 from hpkv.bench.server import Server, counter
-from tests.e2e.conftest import BLOCK, CHUNK, Counters, make_server, text, wait_for, words_prompt
+from tests.e2e.conftest import BLOCK, CHUNK, Counters, _has_cuda, make_server, text, wait_for, words_prompt
 
 SEED_JSON = '{"kv_connector":"HpkvConnectorV1", "kv_role":"kv_both"}'  # the seed's exact text
 LENGTHS = (300, 1000, 3000)
@@ -53,6 +54,34 @@ def wait_cascaded(server: Server) -> None:
         return m["cascade_pending"] == 0 and m["pinned_slots"] == 0
 
     wait_for(done, what="storage writes to finish")
+
+
+def pool_files(server: Server) -> list[str]:
+    shm = server.env["HPKV_SHARE_MEM_FILE_PATH"]
+    return sorted(n for n in os.listdir(shm) if n.endswith(".shm"))
+
+
+# -- start ---------------------------------------------------------------------------------
+
+
+def test_the_worker_makes_the_pool_at_start_and_the_scheduler_maps_it(
+    server: Server, demo_model: str
+) -> None:
+    """vLLM sets up the worker's KV caches before it builds the scheduler: the worker makes (and
+    on CUDA page-locks) its rank's pool then, under a name the scheduler also derives, so the
+    first request does not pay for it; the first step removes the name."""
+    names = pool_files(server)  # before any request
+    assert len(names) == 1 and re.fullmatch(r"hpkv-\d+-[0-9a-f]{6}e[0-9a-f]{8}r0\.shm", names[0]), names
+    started = server.log_tail(100_000)
+    if _has_cuda():
+        assert "registered with CUDA" in started
+    text(server, words_prompt(demo_model, 40, seed=7))
+    wait_for(lambda: pool_files(server) == [], what="the pool file's name removed")
+    path = os.path.join(server.env["HPKV_SHARE_MEM_FILE_PATH"], names[0])
+    log = server.log_tail(100_000)
+    assert f"memory pool {path} mapped by every rank" in log
+    assert "mapped at the first request instead" not in log
+    assert log.count("registered with CUDA") == started.count("registered with CUDA")
 
 
 # -- cold runs, GPU hits, memory hits -------------------------------------------------------

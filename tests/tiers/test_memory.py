@@ -12,7 +12,7 @@ import torch
 
 from hpkv import HpkvConfigError
 from hpkv.core import record
-from hpkv.tiers.memory.pool import ShmPool, pool_file_path, reclaim_stale, slot_bytes
+from hpkv.tiers.memory.pool import ShmPool, agreed_pool_path, pool_file_path, reclaim_stale, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
 from tests.conftest import CHUNK, SMALL, bits_equal, random_tokens
 
@@ -311,3 +311,39 @@ def test_exit_while_an_attached_pool_is_read_ahead_is_clean(shm_dir: str) -> Non
         assert r.returncode == 0, r.stderr
         assert "terminate called" not in r.stderr
         assert not os.path.exists(path)
+
+
+def test_a_pool_made_for_another_process_is_adopted_only_while_its_maker_holds_it(shm_dir: str) -> None:
+    """A vLLM worker makes its rank's pool at start and the scheduler adopts it: same bytes, the
+    maker keeps the file; a file of the wrong size, a link or a file nobody holds is not adopted
+    (the unheld one is a crash's leftover and is removed)."""
+    size = 4 << 20
+    path = agreed_pool_path(shm_dir, os.getpid(), "adopt0")
+    assert path == os.path.join(os.path.abspath(shm_dir), f"hpkv-{os.getpid()}-adopt0.shm")
+    assert agreed_pool_path(os.path.join(shm_dir, "one.shm"), os.getpid(), "adopt0") is None
+    maker = ShmPool(path, size, prefault=False)
+    try:
+        assert maker._prefault is None
+        assert ShmPool.adopt(path, size + 4096) is None  # not the pool asked for
+        link = os.path.join(shm_dir, f"hpkv-{os.getpid()}-link0.shm")
+        os.symlink(path, link)
+        assert ShmPool.adopt(link, size) is None
+        adopted = ShmPool.adopt(path, size)
+        assert adopted is not None and not adopted._owner
+        maker.tensor[:8] = torch.arange(8, dtype=torch.uint8)
+        assert bytes(adopted.view[:8]) == bytes(range(8))
+        adopted.close()
+        assert os.path.exists(path)  # only its maker removes it
+    finally:
+        maker.close()
+    assert not os.path.exists(path)
+    code = textwrap.dedent(f"""
+        import os
+        from hpkv.tiers.memory.pool import ShmPool
+        ShmPool({path!r}, {size})
+        os._exit(0)  # crash: the file stays, its lock is gone
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert os.path.exists(path)
+    assert ShmPool.adopt(path, size) is None
+    assert not os.path.exists(path)

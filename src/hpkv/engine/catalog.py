@@ -64,10 +64,13 @@ class Catalog:
         ranks: Sequence[int] | None = None,
         *,
         defer_cascade: bool = False,
+        adopt_pools: Sequence[str | None] | None = None,
     ) -> None:
         """``ranks``: the tensor-parallel ranks this process serves (default: all of ``namespace``'s);
         index ``i`` of every per-rank list here is rank ``ranks[i]``. ``defer_cascade``: hold
-        write-behind while the engine computes (see :meth:`engine_busy`)."""
+        write-behind while the engine computes (see :meth:`engine_busy`). ``adopt_pools``: per
+        rank, a pool file another process made for this one (:meth:`ShmPool.adopt`); a rank
+        whose file is not there, or not that, gets a pool of its own."""
         record.set_auth_key(config.auth_key_bytes)
         self.config = config
         self.chunk_size = config.chunk_size
@@ -99,7 +102,12 @@ class Catalog:
                     config.example("mem_pool_size"),
                 )
                 tag = self.logical_digest.hex()[:6]
-                for r in self.ranks:
+                for i, r in enumerate(self.ranks):
+                    offered = adopt_pools[i] if adopt_pools else None
+                    adopted = ShmPool.adopt(offered, config.mem_pool_size) if offered else None
+                    if adopted is not None:
+                        self.pools.append(adopted)
+                        continue
                     self.pools.append(
                         ShmPool(
                             pool_file_path(config.share_mem_file_path, f"{tag}r{r}"),

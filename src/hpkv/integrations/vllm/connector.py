@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,6 +36,7 @@ from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
 from hpkv.core.layout import KVLayout
 from hpkv.integrations.vllm.meta import HpkvMeta
+from hpkv.tiers.memory.pool import agreed_pool_path
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -90,6 +92,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 store=ktc.is_kv_producer,
                 # On the CPU build the model and hpkv's threads share the cores.
                 defer_cascade=current_platform.is_cpu(),
+                adopt_pools=[
+                    _start_pool_path(vllm_config, self.config, self.namespace, r, worker=False)
+                    for r in range(self.namespace.world_size)
+                ],
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -104,6 +110,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 self.block_size,
                 _backend_name(vllm_config, self.layer_names),
                 layerwise=self.config.layerwise_load,
+                start_pool=_start_pool_path(vllm_config, self.config, self.namespace, rank, worker=True),
+                config=self.config,
             )
             self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
 
@@ -223,6 +231,33 @@ def _describe_engine(
     model_id = f"{mc.model}@{mc.revision or ''}#{fingerprint}|kv={kv_dtype}|q={quant}"
     ns = Namespace(model_id, layout, config.chunk_size, 0, pc.tensor_parallel_size, config.salt)
     return ns, int(spec.block_size), list(groups[0].layer_names)
+
+
+def _start_pool_path(
+    vllm_config: VllmConfig, config: HpkvConfig, namespace: Namespace, rank: int, *, worker: bool
+) -> str | None:
+    """The pool file of TP rank ``rank`` that its worker makes at start (vLLM sets up the workers'
+    KV caches before it builds the scheduler) and the scheduler then maps instead of making its
+    own: page-locking it for CUDA is then part of the start, not of the first request.
+
+    Both sides name it from what they share: the engine process's pid (the scheduler's own; a
+    worker's own under the in-process executor, its parent's under vLLM's multiprocess one),
+    the model's key digest, vLLM's per-launch ``engine_id`` and the rank. None where they cannot
+    agree (Ray and other executors, a pool path naming one file, no memory tier): the scheduler
+    then makes the pool, as before, and the worker maps it at the first step."""
+    if config.mem_pool_size <= 0:
+        return None
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if backend == "uni":
+        pid = os.getpid()
+    elif backend == "mp":
+        pid = os.getppid() if worker else os.getpid()
+    else:
+        return None
+    engine_id = vllm_config.kv_transfer_config.engine_id if vllm_config.kv_transfer_config else None
+    launch = hashlib.sha256(str(engine_id).encode()).hexdigest()[:8]
+    tag = f"{namespace.logical_digest.hex()[:6]}e{launch}r{rank}"
+    return agreed_pool_path(config.share_mem_file_path, pid, tag)
 
 
 def _backend_name(vllm_config: VllmConfig, layer_names: list[str]) -> str:

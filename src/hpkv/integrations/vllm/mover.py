@@ -137,9 +137,9 @@ class Mover:
 
     def attach_pool(self, pool_tensor: torch.Tensor) -> None:
         """Register the pool's memory with CUDA (once per pool); no-op on CPU. Page-locking takes
-        1.5-2.3 s for 8 GiB on the H200, paid by the first request after a start; doing it on a
-        thread did not help there (the engine's CUDA calls waited for it), so it stays here and is
-        timed in the log."""
+        1.5-2.3 s for 8 GiB on the H200: the worker does it at start, on the pool it makes then
+        (see worker.py); doing it on a thread did not help (the engine's CUDA calls waited for
+        it). Timed in the log."""
         if not self.cuda or self._registered is pool_tensor:
             return
         self.detach_pool()

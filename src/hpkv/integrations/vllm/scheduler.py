@@ -91,9 +91,11 @@ class HpkvScheduler:
         load: bool,
         store: bool,
         defer_cascade: bool = False,
+        adopt_pools: list[str | None] | None = None,
     ) -> None:
         """``defer_cascade``: the model runs on the CPU, sharing its cores with hpkv's tier work:
-        write-behind waits for idle time (see :meth:`Catalog.engine_busy`)."""
+        write-behind waits for idle time (see :meth:`Catalog.engine_busy`). ``adopt_pools``: per
+        rank, the pool file its worker made at start, if it did (see connector.py)."""
         if config.chunk_size % block_size:
             raise_config(
                 config,
@@ -106,7 +108,7 @@ class HpkvScheduler:
         self.chunk_size = config.chunk_size
         self.load_enabled = load
         self.store_enabled = store
-        self.catalog = Catalog(config, namespace, defer_cascade=defer_cascade)
+        self.catalog = Catalog(config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools)
         self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
         self.world_size = namespace.world_size
         self._reqs: dict[str, _Req] = {}

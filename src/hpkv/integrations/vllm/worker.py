@@ -23,6 +23,8 @@ import time
 import torch
 
 from hpkv.core import record
+from hpkv.core.config import HpkvConfig
+from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace, record_key
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
 from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem
@@ -34,8 +36,18 @@ log = logging.getLogger("hpkv")
 
 class HpkvWorker:
     def __init__(
-        self, namespace: Namespace, chunk_size: int, block_size: int, backend: str, layerwise: bool = False
+        self,
+        namespace: Namespace,
+        chunk_size: int,
+        block_size: int,
+        backend: str,
+        layerwise: bool = False,
+        *,
+        start_pool: str | None = None,
+        config: HpkvConfig | None = None,
     ) -> None:
+        """``start_pool``: where to make this rank's pool file at start, for the scheduler to map
+        (``config`` gives its size and settings); None: map the scheduler's at the first step."""
         self.ns = namespace
         self.rank = namespace.rank
         self.rank_digest = namespace.digest
@@ -56,6 +68,9 @@ class HpkvWorker:
         self._load_errors: set[int] = set()
         self._unlogged: list[tuple[LoadRequest, int]] = []  # CUDA loads whose copies are in flight
         self._announce = False  # mapped the pool since the last report
+        self._start_pool = start_pool if config is not None and config.mem_pool_size > 0 else None
+        self._config = config
+        self._first_meta = True
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
         self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
@@ -63,14 +78,45 @@ class HpkvWorker:
         took = self.mover.warm_up(self.chunk_size)
         if took and self.rank == 0:
             log.info("hpkv: GPU copy kernels compiled and staging allocated in %.0f ms", took * 1e3)
+        if self._start_pool is not None:
+            self._make_pool(self._start_pool)
+
+    def _make_pool(self, path: str) -> None:
+        """Make this rank's pool file now, while the engine starts, and page-lock it for CUDA:
+        the scheduler maps it once vLLM builds it (see connector.py). If it cannot be made here,
+        the scheduler makes one as before and says why if it cannot either."""
+        cfg = self._config
+        assert cfg is not None and self.mover is not None
+        try:
+            self.pool = ShmPool(
+                path,
+                cfg.mem_pool_size,
+                where=cfg.where("mem_pool_size"),
+                path_where=cfg.where("share_mem_file_path"),
+                shared_group=cfg.shared_group,
+                prefault=not self.mover.cuda,  # page-locking maps every page
+            )
+        except (HpkvConfigError, OSError) as e:
+            log.warning("hpkv: the memory pool is mapped at the first request instead of at start: %s", e)
+            return
+        self._pool_path = path
+        self.mover.attach_pool(self.pool.tensor)
 
     def _attach(self, meta: HpkvMeta) -> ShmPool | None:
         if not meta.pool_paths:
             return None
         path = meta.pool_paths[self.rank]
+        if self._first_meta:
+            self._first_meta = False
+            if self.pool is not None and path == self._pool_path:
+                # The scheduler mapped the file this rank made at start (none other can be at
+                # that name): its name is no longer needed.
+                self.pool.unlink()
+                self._announce = True
+                return self.pool
         if self.pool is None or path != self._pool_path:
             if self.pool is not None:
-                self.pool.close()
+                self.pool.close()  # one this rank made that the scheduler did not map: removed
             # On CUDA page-locking maps every page; on a CPU engine the worker's own first touch of
             # each page would land in the steps that store into it, so it is read ahead at idle priority.
             cpu = self.mover is not None and not self.mover.cuda

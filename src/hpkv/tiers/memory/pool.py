@@ -56,6 +56,16 @@ def pool_file_path(share_mem_file_path: str, tag: str) -> str:
     return os.path.join(path, f"hpkv-{os.getpid()}-{tag}{n:02x}.shm")
 
 
+def agreed_pool_path(share_mem_file_path: str, owner_pid: int, tag: str) -> str | None:
+    """The pool file two processes agree on without talking: ``hpkv-<owner_pid>-<tag>.shm`` in
+    the pool directory (``tag``: letters and digits naming what it is for). None where the
+    setting names one file: a file that exists there may be another engine's."""
+    path = os.path.abspath(os.path.expanduser(share_mem_file_path))
+    if path.endswith(".shm"):
+        return None
+    return os.path.join(path, f"hpkv-{owner_pid}-{tag}.shm")
+
+
 def reclaim_stale(directory: str) -> list[str]:
     """Remove pool files in ``directory`` whose owner is gone (no process holds their lock)."""
     removed: list[str] = []
@@ -138,7 +148,10 @@ class ShmPool:
         where: str = "HPKV_KV_MEM_POOL_SIZE",
         path_where: str = "HPKV_SHARE_MEM_FILE_PATH",
         shared_group: bool = False,
+        prefault: bool = True,
     ) -> None:
+        """``prefault``: touch every page of this mapping in the background (off where CUDA's
+        page-locking maps them all anyway)."""
         self.path = path
         self.size = size
         directory = os.path.dirname(path)
@@ -197,7 +210,8 @@ class ShmPool:
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.view = memoryview(self._mm)
         self._closed = False
-        self._start_prefault()
+        if prefault:
+            self._start_prefault()
         _OWNED.add(self)
         _install_exit_cleanup()
 
@@ -262,6 +276,31 @@ class ShmPool:
         if prefault:
             self._start_prefault()
         return self
+
+    @classmethod
+    def adopt(cls, path: str, size: int) -> ShmPool | None:
+        """Map a pool file that a live process created for this one to share (a vLLM worker
+        makes its rank's pool at start, so that page-locking it is not paid by the first request),
+        or None if ``path`` is not exactly that: a regular file of this user, never through a
+        link, of ``size`` bytes, whose creator still holds its lock. An unlocked one is left over
+        from a crash and is removed. Maps like :meth:`attach`, with a prefault."""
+        fd = _open_own_file(path)
+        if fd is None:
+            return None
+        try:
+            if os.fstat(fd).st_size != size:
+                return None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # held: the creator is alive
+                pass
+            else:
+                _unlink_quietly(path)
+                log.warning("hpkv: removed stale memory pool file %s", path)
+                return None
+        finally:
+            os.close(fd)
+        return cls.attach(path, size, prefault=True)
 
     _owner = True
     _prefault: threading.Thread | None = None
