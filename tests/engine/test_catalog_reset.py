@@ -64,15 +64,21 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         assert cat.in_storage(lk)
         cat.clear((MEMORY,))
         reading, release = threading.Event(), threading.Event()
-        real = cat.storage[0].read_into
+        real = cat.storage[0].fetch_into
 
-        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> bool:
-            ok = real(key, buf, tenant)
-            reading.set()
-            release.wait(10)
-            return ok
+        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
+            check = real(key, buf, tenant)  # read on the I/O thread; the check runs on a verify thread
+            assert check is not None
 
-        monkeypatch.setattr(cat.storage[0], "read_into", held)
+            def gated() -> bool:
+                ok = check()
+                reading.set()
+                release.wait(10)
+                return ok
+
+            return gated
+
+        monkeypatch.setattr(cat.storage[0], "fetch_into", held)
         [fut] = cat.stage([lk])
         assert reading.wait(10)
         cat.clear((MEMORY,))  # the reset lands while the promotion holds its bytes
@@ -80,7 +86,7 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         assert fut.result(10) is False
         assert not cat.in_memory(lk) and cat.locate_local([lk]) == [STORAGE]
         cat.check()
-        monkeypatch.setattr(cat.storage[0], "read_into", real)
+        monkeypatch.setattr(cat.storage[0], "fetch_into", real)
         assert cat.stage([lk])[0].result(10) and cat.in_memory(lk)  # a promotion after the reset works
     finally:
         cat.close()

@@ -172,14 +172,14 @@ class Gate:
     def __init__(self, sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reading, self.release = threading.Event(), threading.Event()
         tier = sim.cat.storage[0]
-        real = tier.read_into
+        real = tier.fetch_into
 
-        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> bool:
+        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
             self.reading.set()
             self.release.wait(20)
             return real(key, buf, tenant)
 
-        monkeypatch.setattr(tier, "read_into", held)
+        monkeypatch.setattr(tier, "fetch_into", held)
 
 
 def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest.MonkeyPatch) -> None:

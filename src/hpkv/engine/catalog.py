@@ -141,6 +141,12 @@ class Catalog:
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
+        # A promotion's record is verified here, while its I/O thread fetches the next one: reading
+        # and hashing on one thread ran at 0.53-0.62x a raw read of the same files with the same
+        # threads on the H200 host, and at 0.89-0.91x with the hashing on these.
+        self._verify = ThreadPoolExecutor(
+            config.storage_io_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread
+        )
         self._scratch = threading.local()
         self._closed = False
         self._cascade = Cascade(
@@ -293,43 +299,92 @@ class Catalog:
                     continue
                 fut = self._staging.get(lk)
                 if fut is None:
-                    fut = self._io.submit(self._promote, lk, tenant)
+                    fut = Future()
                     self._staging[lk] = fut
+                    self._io.submit(self._promote, lk, tenant, fut)
             futures.append(fut)
         return futures
 
-    def _promote(self, lk: bytes, tenant: str) -> bool:
+    def _promote(self, lk: bytes, tenant: str, fut: Future[bool]) -> None:
+        """On an I/O thread: every rank's record of ``lk`` into a reserved slot, then on to a
+        verify thread (:meth:`_verify_promotion`) that commits it and settles ``fut``."""
+        slot: int | None = None
         try:
             slot = self.reserve()
             if slot is None:
-                return False
-            if not self._read_all_ranks(lk, slot, tenant):
+                self._settle(lk, fut, False)
+                return
+            checks = self._fetch_all_ranks(lk, slot, tenant)
+            if checks is None:
                 self.abort(slot)
-                return False
-            with self._lock:
-                if not self._commit_locked(slot, lk, keep_pin=False):
-                    return False
-            self._mem_stats.add("promotions")
-            return True
+                self._settle(lk, fut, False)
+                return
+            self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
         except Exception:
             log.exception("hpkv: promotion failed")
-            return False
+            if slot is not None:
+                self.abort(slot)
+            self._settle(lk, fut, False)
+
+    def _verify_promotion(
+        self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Future[bool]
+    ) -> None:
+        ok = False
+        try:
+            if all(check() for check in checks):
+                with self._lock:
+                    ok = self._commit_locked(slot, lk, keep_pin=False)
+                if ok:
+                    self._mem_stats.add("promotions")
+            else:
+                self.abort(slot)
+        except Exception:
+            log.exception("hpkv: promotion failed")
+            self.abort(slot)
         finally:
-            with self._lock:
-                self._staging.pop(lk, None)
+            self._settle(lk, fut, ok)
+
+    def _settle(self, lk: bytes, fut: Future[bool], ok: bool) -> None:
+        with self._lock:
+            self._staging.pop(lk, None)
+        fut.set_result(ok)
+
+    def _fetch_all_ranks(self, lk: bytes, slot: int, tenant: str) -> list[Callable[[], bool]] | None:
+        off = slot * self.slot_bytes
+        checks = []
+        for i in range(len(self.ranks)):
+            check = self._fetch_rank(i, lk, self.pools[i].view[off : off + self.slot_bytes], tenant)
+            if check is None:
+                return None
+            checks.append(check)
+        return checks
+
+    def _fetch_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> Callable[[], bool] | None:
+        """Rank ``i``'s record of ``lk`` into ``buf`` from the fastest slower tier that has it (a
+        local tier is asked first whether it holds it; a remote one is simply read), and its check:
+        if that fails, the check reads from the tiers after it, verifying as it goes."""
+        rk = self.record_key(i, lk)
+        tiers = self._slow_of_rank(i)
+        for n, t in enumerate(tiers):
+            if not t.remote and not t.contains_many([rk], tenant)[0]:
+                continue
+            check = t.fetch_into(rk, buf, tenant)
+            if check is not None:
+                rest = tiers[n + 1 :]
+                return lambda: check() or self._read_from(rest, rk, buf, tenant)
+        return None
 
     def _read_all_ranks(self, lk: bytes, slot: int, tenant: str) -> bool:
-        off = slot * self.slot_bytes
-        return all(
-            self._read_rank(i, lk, self.pools[i].view[off : off + self.slot_bytes], tenant)
-            for i in range(len(self.ranks))
-        )
+        """:meth:`_fetch_all_ranks` and the checks, on this thread."""
+        checks = self._fetch_all_ranks(lk, slot, tenant)
+        return checks is not None and all(check() for check in checks)
 
     def _read_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> bool:
-        """Rank ``i``'s verified record of ``lk`` into ``buf``, from the fastest slower tier that
-        has it (a local tier is asked first whether it holds it; a remote one is simply read)."""
-        rk = self.record_key(i, lk)
-        for t in self._slow_of_rank(i):
+        check = self._fetch_rank(i, lk, buf, tenant)
+        return check is not None and check()
+
+    def _read_from(self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str) -> bool:
+        for t in tiers:
             if not t.remote and not t.contains_many([rk], tenant)[0]:
                 continue
             if t.read_into(rk, buf, tenant):
@@ -655,6 +710,7 @@ class Catalog:
         self._cascade.close()
         self.flush()
         self._io.shutdown(wait=True)
+        self._verify.shutdown(wait=True)  # after the I/O threads: their last fetches hand over here
         # Remote workers first: a worker's last job may still reference its buffer (a slice of a
         # pool) until the worker ends, and a mapping with a live export cannot be closed.
         self._close_tiers()

@@ -38,6 +38,16 @@ class Tier(Protocol):
         """The verified record of ``key`` into ``buf`` (at least one record long); False: a miss."""
         ...
 
+    def fetch_into(
+        self, key: bytes, buf: memoryview, tenant: str = SHARED_TENANT
+    ) -> Callable[[], bool] | None:
+        """:meth:`read_into` in two halves, so that a caller can verify on another thread while
+        this one fetches the next record: the record's bytes into ``buf`` now (None: a counted
+        miss; nothing writes into ``buf`` once this returns), and a function that verifies them
+        (True: ``buf`` holds a verified record, counted as a hit; False: a counted miss). ``buf``
+        holds nothing usable until that function has said True."""
+        ...
+
     def write(self, key: bytes, rec: memoryview, tenant: str = SHARED_TENANT) -> bool:
         """Store the sealed record ``rec`` (may block for the I/O; the engine calls it off the
         serving path)."""

@@ -20,6 +20,7 @@ import os
 import stat
 import threading
 import time
+from collections.abc import Callable
 
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
@@ -171,13 +172,21 @@ class StorageTier:
     def read_into(self, key: bytes, buf: memoryview, tenant: str = SHARED_TENANT) -> bool:
         """Read and verify the record of ``key`` into ``buf`` (page-aligned, page-rounded length
         ≥ the record). True: ``buf`` holds a verified record. False: a counted miss."""
+        check = self.fetch_into(key, buf, tenant)
+        return check is not None and check()
+
+    def fetch_into(
+        self, key: bytes, buf: memoryview, tenant: str = SHARED_TENANT
+    ) -> Callable[[], bool] | None:
+        """:meth:`read_into` in two halves (see the tier protocol): the file's bytes into ``buf``
+        now, and the check that verifies them."""
         path = self.path(key)
         try:
             n, ino = self._reader.read(path, buf, self.record_bytes)
         except FileNotFoundError:
             self._forget(key)
             self._stats.add("misses")
-            return False
+            return None
         except NotARegularFile:
             self._stats.add("corrupt")
             self._stats.add("misses")
@@ -187,11 +196,14 @@ class StorageTier:
             self._forget(key)
             with contextlib.suppress(OSError):
                 os.unlink(path)  # removes the name (a link, a FIFO), never what a link points to
-            return False
+            return None
         except OSError as e:
             self._error("read", path, e)
             self._stats.add("misses")
-            return False
+            return None
+        return lambda: self._verify_read(key, buf, n, path, ino)
+
+    def _verify_read(self, key: bytes, buf: memoryview, n: int, path: str, ino: int) -> bool:
         verdict = record.verify(buf, n, self.namespace, key, self.payload_bytes)
         if verdict is not record.Verdict.OK:
             self._stats.add("corrupt")

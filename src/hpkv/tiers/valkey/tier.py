@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from hpkv.core import record
@@ -121,6 +122,14 @@ class ValkeyTier:
         """GET the record of ``key`` straight into ``buf`` (≥ the record's length) and verify it.
         True: ``buf`` holds a verified record. False: a counted miss (absent, wrong length,
         failed verification, server down). When this returns, no write into ``buf`` is pending."""
+        check = self.fetch_into(key, buf, tenant, priority=priority)
+        return check is not None and check()
+
+    def fetch_into(
+        self, key: bytes, buf: memoryview, tenant: str = SHARED, *, priority: Priority = Priority.GET
+    ) -> Callable[[], bool] | None:
+        """:meth:`read_into` in two halves (see the tier protocol): the GET into ``buf`` now (no
+        write into it is pending once this returns), and the check that verifies it."""
         name = self.key_name(key, tenant)
         view = memoryview(buf)
         if view.format != "B":  # GLIDE's buffer= takes unsigned bytes only
@@ -142,7 +151,10 @@ class ValkeyTier:
         if n is None or n < 0:
             self._stats.add("misses")
             self._forget(name)
-            return False
+            return None
+        return lambda: self._verify_get(name, key, view, n)
+
+    def _verify_get(self, name: bytes, key: bytes, view: memoryview, n: int) -> bool:
         verdict = record.verify(view, n, self.namespace, key, self.payload_bytes)
         if n != self.record_bytes or verdict is not record.Verdict.OK:
             verdict = verdict if n == self.record_bytes else record.Verdict.WRONG_LENGTH

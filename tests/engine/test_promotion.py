@@ -1,0 +1,98 @@
+"""Promotions into the memory pool: each record is read on an I/O thread and verified on a verify
+thread before it is committed. Real pool, real storage files, a real valkey server."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import wait
+from typing import Any
+
+import torch
+
+from hpkv import HpkvConfig
+from hpkv.core import record
+from hpkv.core.keys import Namespace
+from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
+from tests.conftest import CHUNK, SMALL
+
+
+def catalog(shm_dir: str, storage_dir: str, **extra: Any) -> Catalog:
+    cfg = HpkvConfig(
+        mem_pool_size="8M", share_mem_file_path=shm_dir, storage_path=storage_dir, chunk_size=CHUNK, **extra
+    )
+    return Catalog(cfg, Namespace("promote", SMALL, CHUNK))
+
+
+def fill(cat: Catalog, lks: list[bytes]) -> list[bytes]:
+    """Store one distinct payload per chunk the way the workers do; returns the payloads."""
+    payloads = [os.urandom(cat.payload_bytes) for _ in lks]
+
+    def produce(i: int, payload: Any) -> None:
+        payload.copy_(torch.frombuffer(bytearray(payloads[i]), dtype=torch.uint8))
+
+    assert cat.store(lks, produce) == len(lks)
+    cat.flush()
+    return payloads
+
+
+def held_bytes(cat: Catalog, lk: bytes) -> bytes:
+    [slot] = cat.pin([lk])
+    try:
+        off = slot * cat.slot_bytes + record.HEADER_BYTES
+        return bytes(cat.pools[0].view[off : off + cat.payload_bytes])
+    finally:
+        cat.unpin([slot])
+
+
+def flip_payload_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(record.HEADER_BYTES + 17)
+        b = f.read(1)
+        f.seek(record.HEADER_BYTES + 17)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
+    shm_dir: str, storage_dir: str
+) -> None:
+    cat = catalog(shm_dir, storage_dir)
+    try:
+        lks = cat.keys(list(range(4 * CHUNK)))
+        payloads = fill(cat, lks)
+        assert cat.locate_local(lks) == [MEMORY] * 4
+        cat.clear((MEMORY,))
+        bad = cat.storage[0].path(cat.record_key(0, lks[2]))
+        flip_payload_byte(bad)
+        futures = cat.stage(lks)
+        wait(futures, timeout=10)
+        assert [f.result() for f in futures] == [True, True, False, True]
+        for i in (0, 1, 3):
+            assert held_bytes(cat, lks[i]) == payloads[i]
+        assert not cat.in_memory(lks[2]) and not os.path.exists(bad)
+        st = cat.stats()
+        assert st[STORAGE]["hits"] == 3 and st[STORAGE]["corrupt"] == 1
+        assert st[MEMORY]["promotions"] == 3 and st[MEMORY]["pinned_slots"] == 0
+        cat.check()
+    finally:
+        cat.close()
+
+
+def test_a_storage_record_that_fails_its_check_is_read_from_valkey(
+    shm_dir: str, storage_dir: str, valkey_server: Any
+) -> None:
+    cat = catalog(shm_dir, storage_dir, remote_url=valkey_server.url, valkey_mode=valkey_server.mode)
+    try:
+        lks = cat.keys(list(range(2 * CHUNK)), seed=os.urandom(16))
+        payloads = fill(cat, lks)
+        cat.flush()
+        assert all(cat.valkey[0].contains_many([cat.record_key(0, lk) for lk in lks]))
+        cat.clear((MEMORY,))
+        flip_payload_byte(cat.storage[0].path(cat.record_key(0, lks[1])))
+        futures = cat.stage(lks)
+        wait(futures, timeout=10)
+        assert [f.result() for f in futures] == [True, True]
+        assert [held_bytes(cat, lk) for lk in lks] == payloads
+        st = cat.stats()
+        assert st[STORAGE]["corrupt"] == 1 and st[VALKEY]["hits"] == 1
+    finally:
+        cat.close()
