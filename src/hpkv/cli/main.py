@@ -179,6 +179,11 @@ def _valkey_start(cluster: int, port: int | None, directory: str | None, maxmemo
 
     from hpkv.bench.valkey import ValkeyServers
 
+    # Before the servers start and before they are announced: a SIGTERM sent as soon as the URL is
+    # printed (a process manager, a test) must stop them, not kill this process and orphan them.
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
     servers = ValkeyServers(cluster=cluster, port=port, directory=directory, maxmemory=maxmemory).start()
     kind = f"a cluster of {cluster} primaries" if cluster else "a standalone server"
     print(f"valkey: {kind} on {servers.url}", flush=True)
@@ -186,9 +191,6 @@ def _valkey_start(cluster: int, port: int | None, directory: str | None, maxmemo
         f"  use it: export HPKV_REMOTE_URL={servers.url}" + (" HPKV_VALKEY_MODE=cluster" if cluster else "")
     )
     print("  Ctrl-C stops it (nothing is persisted)", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: done.set())
     try:
         while not done.wait(1.0):
             if any(n.proc is None or n.proc.poll() is not None for n in servers.nodes):
