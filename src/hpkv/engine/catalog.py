@@ -464,7 +464,7 @@ class Catalog:
                     if s is not None:
                         pinned[i] = s
         self.protect(lks[:n])
-        futures: dict[int, Future[bool]] = {}
+        futures: dict[int, Future[bool | Future[bool]]] = {}
         done: dict[int, bool] = {}
         try:
             for i in range(n):  # the slow reads first, so they overlap the memory copies
@@ -476,7 +476,8 @@ class Catalog:
                 else:  # its header failed: the slower tiers may still have it
                     futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
             for i, fut in futures.items():
-                done[i] = fut.result()
+                r = fut.result()  # a slot's read hands its check to a verify thread
+                done[i] = r.result() if isinstance(r, Future) else r
         finally:
             self.unpin(pinned.values())
             self.unprotect(lks[:n])
@@ -505,25 +506,46 @@ class Catalog:
         self.count_load(1, self.payload_bytes)
         return True
 
-    def _load_slow(self, i: int, lk: bytes, consume: Consume, tenant: str) -> bool:
+    def _load_slow(self, i: int, lk: bytes, consume: Consume, tenant: str) -> bool | Future[bool]:
+        """On an I/O thread: read ``lk`` into a reserved slot and hand its check, consume and
+        promotion to a verify thread (its future), or, with no slot, read and check it into
+        this thread's private buffer and consume it here."""
         slot = self.reserve() if self.pools else None
         if slot is not None:
-            if not self._read_all_ranks(lk, slot, tenant):
+            try:
+                checks = self._fetch_all_ranks(lk, slot, tenant)
+            except BaseException:
+                self.abort(slot)
+                raise
+            if checks is None:
                 self.abort(slot)
                 return False
-            p = slot * self.slot_bytes + record.HEADER_BYTES
-            try:
-                consume(i, self.pools[0].tensor[p : p + self.payload_bytes])
-            finally:
-                with self._lock:
-                    promoted = self._commit_locked(slot, lk, keep_pin=False)
-            if promoted:
-                self._mem_stats.add("promotions")
-            return True
+            return self._verify.submit(self._consume_fetched, i, lk, slot, checks, consume)
         buf, tensor = self._scratch_buffer()
         if not self._read_rank(0, lk, buf, tenant):
             return False
         consume(i, tensor[record.HEADER_BYTES : record.HEADER_BYTES + self.payload_bytes])
+        return True
+
+    def _consume_fetched(
+        self, i: int, lk: bytes, slot: int, checks: list[Callable[[], bool]], consume: Consume
+    ) -> bool:
+        try:
+            ok = all(check() for check in checks)
+        except BaseException:
+            self.abort(slot)
+            raise
+        if not ok:
+            self.abort(slot)
+            return False
+        p = slot * self.slot_bytes + record.HEADER_BYTES
+        try:
+            consume(i, self.pools[0].tensor[p : p + self.payload_bytes])
+        finally:
+            with self._lock:
+                promoted = self._commit_locked(slot, lk, keep_pin=False)
+        if promoted:
+            self._mem_stats.add("promotions")
         return True
 
     def _scratch_buffer(self) -> tuple[memoryview, torch.Tensor]:
