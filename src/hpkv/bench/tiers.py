@@ -163,19 +163,21 @@ def main(argv: list[str] | None = None) -> int:
         # --- storage --------------------------------------------------------
         # O_DIRECT store vs O_DIRECT raw reads with the page cache dropped (the device),
         # buffered store vs buffered raw reads with the files cached (the page cache).
-        res: dict[str, float] = {}
-        t_write = 0.0
-        direct = False
-        for label, o_direct in (("device", True), ("page cache", False)):
-            cfg = HpkvConfig(
-                mem_pool_size=0,
+        def storage_config(mem_pool_size: int, o_direct: bool) -> HpkvConfig:
+            return HpkvConfig(
+                mem_pool_size=mem_pool_size,
                 share_mem_file_path=shm,
                 storage_path=st_root,
                 chunk_size=chunk,
                 storage_io_threads=args.threads,
                 storage_o_direct=o_direct,
             )
-            with KVStore(cfg, LAYOUT) as s:
+
+        res: dict[str, float] = {}
+        t_write = 0.0
+        direct = False
+        for label, o_direct in (("device", True), ("page cache", False)):
+            with KVStore(storage_config(0, o_direct), LAYOUT) as s:
                 if label == "device":
                     s.clear()
                     t0 = time.perf_counter()
@@ -216,15 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 out = s.get(toks)
                 assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8)), "storage get: wrong bytes"
         # --- promotion: what a vLLM storage hit does (into pool slots, checked on verify threads) ---
-        cfg = HpkvConfig(
-            mem_pool_size=int(total * 1.1) + (64 << 20),
-            share_mem_file_path=shm,
-            storage_path=st_root,
-            chunk_size=chunk,
-            storage_io_threads=args.threads,
-            storage_o_direct=False,
-        )
-        with KVStore(cfg, LAYOUT) as s:
+        with KVStore(storage_config(int(total * 1.1) + (64 << 20), False), LAYOUT) as s:
             engine, keys = s.engine, s.keys(toks)
 
             def promote(engine: Catalog = engine, keys: list[bytes] = keys) -> None:
