@@ -1,5 +1,6 @@
-"""Promotions into the memory pool: each record is read on an I/O thread and verified on a verify
-thread before it is committed. Real pool, real storage files, a real valkey server."""
+"""Promotions into the memory pool: each record is read on an I/O thread and checked, before it is
+committed, on a verify thread (where the process has cores to spare) or on the I/O thread itself.
+Both ways, whatever this machine has. Real pool, real storage files, a real valkey server."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 from concurrent.futures import wait
 from typing import Any
 
+import pytest
 import torch
 
 from hpkv import HpkvConfig
@@ -15,12 +17,14 @@ from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
 from tests.conftest import CHUNK, SMALL
 
+VERIFY = pytest.mark.parametrize("verify_threads", [0, 2], ids=["inline", "verify-threads"])
 
-def catalog(shm_dir: str, storage_dir: str, **extra: Any) -> Catalog:
+
+def catalog(shm_dir: str, storage_dir: str, verify_threads: int, **extra: Any) -> Catalog:
     cfg = HpkvConfig(
         mem_pool_size="8M", share_mem_file_path=shm_dir, storage_path=storage_dir, chunk_size=CHUNK, **extra
     )
-    return Catalog(cfg, Namespace("promote", SMALL, CHUNK))
+    return Catalog(cfg, Namespace("promote", SMALL, CHUNK), verify_threads=verify_threads)
 
 
 def fill(cat: Catalog, lks: list[bytes]) -> list[bytes]:
@@ -52,10 +56,11 @@ def flip_payload_byte(path: str) -> None:
         f.write(bytes([b[0] ^ 0x40]))
 
 
+@VERIFY
 def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
-    shm_dir: str, storage_dir: str
+    shm_dir: str, storage_dir: str, verify_threads: int
 ) -> None:
-    cat = catalog(shm_dir, storage_dir)
+    cat = catalog(shm_dir, storage_dir, verify_threads)
     try:
         lks = cat.keys(list(range(4 * CHUNK)))
         payloads = fill(cat, lks)
@@ -77,10 +82,13 @@ def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
         cat.close()
 
 
+@VERIFY
 def test_a_storage_record_that_fails_its_check_is_read_from_valkey(
-    shm_dir: str, storage_dir: str, valkey_server: Any
+    shm_dir: str, storage_dir: str, valkey_server: Any, verify_threads: int
 ) -> None:
-    cat = catalog(shm_dir, storage_dir, remote_url=valkey_server.url, valkey_mode=valkey_server.mode)
+    cat = catalog(
+        shm_dir, storage_dir, verify_threads, remote_url=valkey_server.url, valkey_mode=valkey_server.mode
+    )
     try:
         lks = cat.keys(list(range(2 * CHUNK)), seed=os.urandom(16))
         payloads = fill(cat, lks)
@@ -94,5 +102,31 @@ def test_a_storage_record_that_fails_its_check_is_read_from_valkey(
         assert [held_bytes(cat, lk) for lk in lks] == payloads
         st = cat.stats()
         assert st[STORAGE]["corrupt"] == 1 and st[VALKEY]["hits"] == 1
+    finally:
+        cat.close()
+
+
+@VERIFY
+def test_a_load_checks_what_it_read_and_cuts_at_a_corrupt_chunk(
+    shm_dir: str, storage_dir: str, verify_threads: int
+) -> None:
+    """Catalog.load (KVStore.get, SGLang's prefetch): the same split, and only the verified prefix
+    counts."""
+    cat = catalog(shm_dir, storage_dir, verify_threads)
+    try:
+        lks = cat.keys(list(range(4 * CHUNK)))
+        payloads = fill(cat, lks)
+        cat.clear((MEMORY,))
+        flip_payload_byte(cat.storage[0].path(cat.record_key(0, lks[2])))
+        got: dict[int, bytes] = {}
+
+        def consume(i: int, payload: torch.Tensor) -> None:
+            got[i] = payload.numpy().tobytes()
+
+        assert cat.load(lks, consume) == 2
+        assert got[0] == payloads[0] and got[1] == payloads[1] and 2 not in got
+        assert cat.locate_local(lks[:2]) == [MEMORY, MEMORY]
+        assert cat.stats()[MEMORY]["pinned_slots"] == 0
+        cat.check()
     finally:
         cat.close()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,12 +66,15 @@ class Catalog:
         *,
         defer_cascade: bool = False,
         adopt_pools: Sequence[str | None] | None = None,
+        verify_threads: int | None = None,
     ) -> None:
         """``ranks``: the tensor-parallel ranks this process serves (default: all of ``namespace``'s);
         index ``i`` of every per-rank list here is rank ``ranks[i]``. ``defer_cascade``: hold
         write-behind while the engine computes (see :meth:`engine_busy`). ``adopt_pools``: per
         rank, a pool file another process made for this one (:meth:`ShmPool.adopt`); a rank
-        whose file is not there, or not that, gets a pool of its own."""
+        whose file is not there, or not that, gets a pool of its own. ``verify_threads``: threads
+        that check what the I/O threads read (0: each I/O thread checks its own reads; default:
+        ``storage_io_threads`` of them where this process may use twice that many cores, else 0)."""
         record.set_auth_key(config.auth_key_bytes)
         self.config = config
         self.chunk_size = config.chunk_size
@@ -141,11 +145,18 @@ class Catalog:
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
         self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
-        # A promotion's record is verified here, while its I/O thread fetches the next one: reading
-        # and hashing on one thread ran at 0.53-0.62x a raw read of the same files with the same
-        # threads on the H200 host, and at 0.89-0.91x with the hashing on these.
-        self._verify = ThreadPoolExecutor(
-            config.storage_io_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread
+        # Where there are cores to spare, a read record is checked on a verify thread while its
+        # I/O thread fetches the next one: reading and hashing on one thread ran at 0.53-0.62x a
+        # raw read of the same files with the same 4 threads on the H200 host (16 cores), and at
+        # 0.89-0.91x with the hashing on 4 more. On 2 cores the extra threads only contend (0.60x
+        # against 0.66x inline, bench tiers): there the I/O thread checks what it read itself.
+        if verify_threads is None:
+            cores = len(os.sched_getaffinity(0))
+            verify_threads = config.storage_io_threads if cores >= 2 * config.storage_io_threads else 0
+        self._verify = (
+            ThreadPoolExecutor(verify_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread)
+            if verify_threads > 0
+            else None
         )
         self._scratch = threading.local()
         self._closed = False
@@ -319,7 +330,10 @@ class Catalog:
                 self.abort(slot)
                 self._settle(lk, fut, False)
                 return
-            self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
+            if self._verify is None:
+                self._verify_promotion(lk, slot, checks, fut)
+            else:
+                self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
         except Exception:
             log.exception("hpkv: promotion failed")
             if slot is not None:
@@ -520,6 +534,8 @@ class Catalog:
             if checks is None:
                 self.abort(slot)
                 return False
+            if self._verify is None:
+                return self._consume_fetched(i, lk, slot, checks, consume)
             return self._verify.submit(self._consume_fetched, i, lk, slot, checks, consume)
         buf, tensor = self._scratch_buffer()
         if not self._read_rank(0, lk, buf, tenant):
@@ -732,7 +748,8 @@ class Catalog:
         self._cascade.close()
         self.flush()
         self._io.shutdown(wait=True)
-        self._verify.shutdown(wait=True)  # after the I/O threads: their last fetches hand over here
+        if self._verify is not None:  # after the I/O threads: their last fetches hand over here
+            self._verify.shutdown(wait=True)
         # Remote workers first: a worker's last job may still reference its buffer (a slice of a
         # pool) until the worker ends, and a mapping with a live export cannot be closed.
         self._close_tiers()
