@@ -374,11 +374,16 @@ class Catalog:
         return checks
 
     def _fetch_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> Callable[[], bool] | None:
-        """Rank ``i``'s record of ``lk`` into ``buf`` from the fastest slower tier that has it (a
-        local tier is asked first whether it holds it; a remote one is simply read), and its check:
-        if that fails, the check reads from the tiers after it, verifying as it goes."""
-        rk = self.record_key(i, lk)
-        tiers = self._slow_of_rank(i)
+        """Rank ``i``'s record of ``lk`` into ``buf`` from the fastest slower tier that has it, and
+        its check (see :meth:`_fetch_from`)."""
+        return self._fetch_from(self._slow_of_rank(i), self.record_key(i, lk), buf, tenant)
+
+    def _fetch_from(
+        self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str
+    ) -> Callable[[], bool] | None:
+        """The record ``rk`` into ``buf`` from the first of ``tiers`` that has it (a local tier is
+        asked first whether it holds it; a remote one is simply read), and its check: if that
+        fails, the check reads from the tiers after it, checking as it goes."""
         for n, t in enumerate(tiers):
             if not t.remote and not t.contains_many([rk], tenant)[0]:
                 continue
@@ -394,16 +399,11 @@ class Catalog:
         return checks is not None and all(check() for check in checks)
 
     def _read_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> bool:
-        check = self._fetch_rank(i, lk, buf, tenant)
-        return check is not None and check()
+        return self._read_from(self._slow_of_rank(i), self.record_key(i, lk), buf, tenant)
 
     def _read_from(self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str) -> bool:
-        for t in tiers:
-            if not t.remote and not t.contains_many([rk], tenant)[0]:
-                continue
-            if t.read_into(rk, buf, tenant):
-                return True
-        return False
+        check = self._fetch_from(tiers, rk, buf, tenant)
+        return check is not None and check()
 
     # -- pins for loads ---------------------------------------------------------------
 

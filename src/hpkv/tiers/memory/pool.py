@@ -114,23 +114,27 @@ def _open_own_file(path: str) -> int | None:
     return fd
 
 
-def _reclaim_if_unlocked(path: str, size: int) -> None:
+def _reclaim_if_unlocked(path: str, size: int) -> bool:
     """Remove ``path`` if it is a pool file left by a crash: a regular file of this user, of
     exactly ``size`` bytes, whose lock no process holds. Anything else at that name (a user's
-    file, a link) is left alone; creating the pool then fails with a clear message."""
+    file, a link) is left alone; creating the pool then fails with a clear message. True: a pool
+    file of that kind is there and its creator, alive, holds it."""
     fd = _open_own_file(path)
     if fd is None:
-        return
+        return False
     try:
         if os.fstat(fd).st_size != size:
-            return
+            return False
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.unlink(path)
         log.warning("hpkv: removed stale memory pool file %s", path)
+    except BlockingIOError:
+        return True
     except OSError:
         pass
     finally:
         os.close(fd)
+    return False
 
 
 class ShmPool:
@@ -284,22 +288,8 @@ class ShmPool:
         or None if ``path`` is not exactly that: a regular file of this user, never through a
         link, of ``size`` bytes, whose creator still holds its lock. An unlocked one is left over
         from a crash and is removed. Maps like :meth:`attach`, with a prefault."""
-        fd = _open_own_file(path)
-        if fd is None:
+        if not _reclaim_if_unlocked(path, size):
             return None
-        try:
-            if os.fstat(fd).st_size != size:
-                return None
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # held: the creator is alive
-                pass
-            else:
-                _unlink_quietly(path)
-                log.warning("hpkv: removed stale memory pool file %s", path)
-                return None
-        finally:
-            os.close(fd)
         return cls.attach(path, size, prefault=True)
 
     _owner = True
