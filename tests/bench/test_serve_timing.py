@@ -5,6 +5,7 @@ was told to take. (The real server runs are tests/e2e/test_bench_serve.py.)"""
 from __future__ import annotations
 
 import json
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hpkv.bench.serve import Turn, run_load, summarize
+from hpkv.bench.serve import Turn, percentile, run_load, summarize
 
 ITL_S = 0.03  # between two streamed tokens, every request
 
@@ -89,23 +90,28 @@ def test_ttft_itl_and_throughput_say_back_the_stubs_delays(stub: _Server) -> Non
     result = run_load(stub, None, turns, output_len=4, level={"concurrency": 1})
     m = summarize(result)
     assert m["completed"] == 10 and m["failed"] == 0
-    # Each TTFT is its known delay plus loopback and client overhead (well under 40 ms here).
-    for got, want in zip(result["ttfts"], delays, strict=True):
-        assert want / 1e3 <= got < want / 1e3 + 0.04, (got, want)
-    # The percentiles interpolate the sorted TTFTs: p50 between the 5th and 6th delay (180, 200 ms).
-    assert 190 <= m["ttft_p50_ms"] < 190 + 40
-    assert 280 * 0.99 <= m["ttft_p99_ms"] < 280 + 40
+    # Each TTFT is its known delay plus loopback and client overhead: never less, typically a few ms,
+    # and on a loaded box (CI: 2 cores) still below the three 30 ms gaps a TTFT that waited for the
+    # whole answer would add. Each bound holds on a busy machine; together they pin what is measured.
+    over = [got - want / 1e3 for got, want in zip(result["ttfts"], delays, strict=True)]
+    assert all(o >= 0 for o in over), over
+    assert all(o < 3 * ITL_S for o in over), over
+    assert statistics.median(over) < 0.04, over
+    # The percentiles interpolate the sorted TTFTs (p50: between the 5th and 6th, 180 and 200 ms).
+    assert m["ttft_p50_ms"] == pytest.approx(percentile(result["ttfts"], 50) * 1e3)
+    assert m["ttft_p99_ms"] == pytest.approx(percentile(result["ttfts"], 99) * 1e3)
+    assert 190 <= m["ttft_p50_ms"] < 190 + 3 * ITL_S * 1e3
     # Three gaps per request, each the stub's 30 ms.
     assert len([g for row in result["itls"] for g in row]) == 30
     assert ITL_S * 1e3 <= m["itl_p50_ms"] < ITL_S * 1e3 + 20
     # One client at a time: the run lasts the sum of the requests, and req/s is its inverse.
     busy = sum(d / 1e3 + 3 * ITL_S for d in delays)
-    assert busy <= m["duration_s"] < busy + 10 * 0.04
+    assert busy <= m["duration_s"] < busy + 10 * 3 * ITL_S
     assert m["requests_per_s"] == pytest.approx(10 / m["duration_s"])
     assert m["output_tokens_per_s"] == pytest.approx(40 / m["duration_s"])
     assert _Stub.most_in_flight == 1
     # End to end: the first token plus the three gaps.
-    assert 280 + 90 <= m["e2e_p99_ms"] < 280 + 90 + 60
+    assert 280 + 90 <= m["e2e_p99_ms"] < 280 + 90 + 3 * ITL_S * 1e3
 
 
 def test_a_concurrency_level_keeps_that_many_requests_in_flight(stub: _Server) -> None:
@@ -116,4 +122,4 @@ def test_a_concurrency_level_keeps_that_many_requests_in_flight(stub: _Server) -
     assert _Stub.most_in_flight == 4
     # Two waves of four requests of 200 + 30 ms each: about 0.46 s, not 8 x 0.23 s.
     assert 0.46 <= m["duration_s"] < 0.46 + 0.3
-    assert all(0.2 <= t < 0.26 for t in result["ttfts"])
+    assert all(0.2 <= t < 0.2 + 3 * ITL_S for t in result["ttfts"])

@@ -38,6 +38,7 @@ def test_writes_wait_while_the_engine_computes(shm_dir: str, storage_dir: str) -
         while not cat.in_storage(lk) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert cat.in_storage(lk)  # written once the engine went idle
+        cat.flush()  # the writer unpins the slot just after the file lands: wait for that step
         assert cat.stats()["memory"]["pinned_slots"] == 0
     finally:
         cat.close()
