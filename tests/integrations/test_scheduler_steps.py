@@ -374,7 +374,7 @@ def test_a_miss_on_valkey_is_one_existence_check_and_reserves_nothing(
     after = sim.cat.stats()[MEMORY]
     assert after["promotions"] == before["promotions"] == 0
     assert after["evictions"] == before["evictions"] and after["writes_skipped"] == before["writes_skipped"]
-    assert not sim.cat._staging  # no promotion was even started for a prompt no tier holds
+    assert not sim.cat._reads.pending()  # no promotion was even started for a prompt no tier holds
     assert valkey_server.keyspace_misses() - misses0 == 8  # one EXISTS per chunk, in one batch
     assert valkey_server.keyspace_hits() == hits0
     sim.s.request_finished(req)

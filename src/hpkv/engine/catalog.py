@@ -13,7 +13,8 @@ reserved slot, verified on every rank, and only then becomes visible.
   for callers that must not wait); a hit ends at the first chunk no tier holds;
 * **promote** (a slower tier -> memory): into a reserved slot, verified on every rank; a chunk that
   fails on any rank is not promoted, so a failure is a shorter hit, never bad data. Chunks a lookup
-  is about to use are protected from eviction until it pins them;
+  is about to use are protected from eviction until it pins them (the reads, on the catalog's
+  threads, are :mod:`hpkv.engine.reads`);
 * **cascade** (memory -> slower tiers): a new chunk is written from its slot (or, without a memory
   tier, from a private buffer) to each rank's slower tiers through a bounded queue; when the queue
   is full the write is dropped and counted, never blocking the caller.
@@ -25,11 +26,10 @@ and no method holds it across I/O.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -38,9 +38,9 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
-from hpkv.core.procs import name_os_thread
 from hpkv.core.stats import TierStats
 from hpkv.engine.cascade import Cascade
+from hpkv.engine.reads import Reader
 from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
 from hpkv.tiers.memory.slots import SlotIndex
@@ -138,13 +138,11 @@ class Catalog:
         # so no promotion or store in flight at the reset becomes visible.
         self._epoch = 0
         self._slot_epoch = [0] * num_slots
-        self._staging: dict[bytes, Future[bool]] = {}
         # Chunks of lookups in progress: no reserve (promotion or store) may evict them before
         # the lookup pins them, so a long prompt's promotions never evict its own head.
         self._protected: dict[bytes, int] = {}
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
-        self._io = ThreadPoolExecutor(threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
         # Where there are cores to spare, a read record is checked on a verify thread while its
         # I/O thread fetches the next one: reading and hashing on one thread ran at 0.53-0.62x a
         # raw read of the same files with the same 4 threads on the H200 host (16 cores), and at
@@ -153,17 +151,12 @@ class Catalog:
         if verify_threads is None:
             cores = len(os.sched_getaffinity(0))
             verify_threads = config.storage_io_threads if cores >= 2 * config.storage_io_threads else 0
-        self._verify = (
-            ThreadPoolExecutor(verify_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread)
-            if verify_threads > 0
-            else None
-        )
-        self._scratch = threading.local()
+        self._reads = Reader(self, threads, verify_threads)
         self._closed = False
         self._cascade = Cascade(
             config.cascade_queue_chunks,
             len(self.ranks),
-            self._slow_of_rank,
+            self.slow_tiers,
             self.record_key,
             self._slot_record,
             lambda slot: self.unpin([slot]),
@@ -199,7 +192,7 @@ class Catalog:
     def _remote_tiers(self) -> list[tuple[str, list[Tier]]]:
         return [(n, ts) for n, ts in self.tiers.items() if ts[0].remote]
 
-    def _slow_of_rank(self, i: int) -> list[Tier]:
+    def slow_tiers(self, i: int) -> list[Tier]:
         return [ts[i] for ts in self.tiers.values()]
 
     # -- keys ---------------------------------------------------------------------
@@ -277,7 +270,7 @@ class Catalog:
                 log.exception("hpkv: remote existence check failed")
                 return [None] * len(lks)
 
-        return self._io.submit(run)
+        return self._reads.submit(run)
 
     def locate(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
@@ -301,109 +294,16 @@ class Catalog:
         Returns the futures of the promotions now running for these keys (True: the chunk is in
         memory now). Without a memory tier nothing can be staged and the list is empty.
         """
-        futures: list[Future[bool]] = []
-        if not self.pools or not self.tiers:
-            return futures
-        for lk in lks:
-            with self._lock:
-                if lk in self._index:
-                    continue
-                fut = self._staging.get(lk)
-                if fut is None:
-                    fut = Future()
-                    self._staging[lk] = fut
-                    self._io.submit(self._promote, lk, tenant, fut)
-            futures.append(fut)
-        return futures
+        return self._reads.stage(list(lks), tenant)
 
-    def _promote(self, lk: bytes, tenant: str, fut: Future[bool]) -> None:
-        """On an I/O thread: every rank's record of ``lk`` into a reserved slot, then on to a
-        verify thread (:meth:`_verify_promotion`) that commits it and settles ``fut``."""
-        slot: int | None = None
-        try:
-            slot = self.reserve()
-            if slot is None:
-                self._settle(lk, fut, False)
-                return
-            checks = self._fetch_all_ranks(lk, slot, tenant)
-            if checks is None:
-                self.abort(slot)
-                self._settle(lk, fut, False)
-                return
-            if self._verify is None:
-                self._verify_promotion(lk, slot, checks, fut)
-            else:
-                self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
-        except Exception:
-            log.exception("hpkv: promotion failed")
-            if slot is not None:
-                self.abort(slot)
-            self._settle(lk, fut, False)
-
-    def _verify_promotion(
-        self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Future[bool]
-    ) -> None:
-        ok = False
-        try:
-            if all(check() for check in checks):
-                with self._lock:
-                    ok = self._commit_locked(slot, lk, keep_pin=False)
-                if ok:
-                    self._mem_stats.add("promotions")
-            else:
-                self.abort(slot)
-        except Exception:
-            log.exception("hpkv: promotion failed")
-            self.abort(slot)
-        finally:
-            self._settle(lk, fut, ok)
-
-    def _settle(self, lk: bytes, fut: Future[bool], ok: bool) -> None:
+    def promoted(self, slot: int, lk: bytes) -> bool:
+        """A promotion's record is in ``slot`` and checked on every rank: make it visible (unpinned)
+        and count it; False (the slot freed) after a reset or if ``lk`` was committed meanwhile."""
         with self._lock:
-            self._staging.pop(lk, None)
-        fut.set_result(ok)
-
-    def _fetch_all_ranks(self, lk: bytes, slot: int, tenant: str) -> list[Callable[[], bool]] | None:
-        off = slot * self.slot_bytes
-        checks = []
-        for i in range(len(self.ranks)):
-            check = self._fetch_rank(i, lk, self.pools[i].view[off : off + self.slot_bytes], tenant)
-            if check is None:
-                return None
-            checks.append(check)
-        return checks
-
-    def _fetch_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> Callable[[], bool] | None:
-        """Rank ``i``'s record of ``lk`` into ``buf`` from the fastest slower tier that has it, and
-        its check (see :meth:`_fetch_from`)."""
-        return self._fetch_from(self._slow_of_rank(i), self.record_key(i, lk), buf, tenant)
-
-    def _fetch_from(
-        self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str
-    ) -> Callable[[], bool] | None:
-        """The record ``rk`` into ``buf`` from the first of ``tiers`` that has it (a local tier is
-        asked first whether it holds it; a remote one is simply read), and its check: if that
-        fails, the check reads from the tiers after it, checking as it goes."""
-        for n, t in enumerate(tiers):
-            if not t.remote and not t.contains_many([rk], tenant)[0]:
-                continue
-            check = t.fetch_into(rk, buf, tenant)
-            if check is not None:
-                rest = tiers[n + 1 :]
-                return lambda: check() or self._read_from(rest, rk, buf, tenant)
-        return None
-
-    def _read_all_ranks(self, lk: bytes, slot: int, tenant: str) -> bool:
-        """:meth:`_fetch_all_ranks` and the checks, on this thread."""
-        checks = self._fetch_all_ranks(lk, slot, tenant)
-        return checks is not None and all(check() for check in checks)
-
-    def _read_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> bool:
-        return self._read_from(self._slow_of_rank(i), self.record_key(i, lk), buf, tenant)
-
-    def _read_from(self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str) -> bool:
-        check = self._fetch_from(tiers, rk, buf, tenant)
-        return check is not None and check()
+            ok = self._commit_locked(slot, lk, keep_pin=False)
+        if ok:
+            self._mem_stats.add("promotions")
+        return ok
 
     # -- pins for loads ---------------------------------------------------------------
 
@@ -446,6 +346,24 @@ class Catalog:
     def count_miss(self, chunks: int = 1) -> None:
         self._mem_stats.add("misses", chunks)
 
+    def pin_each(self, lks: Sequence[bytes | None]) -> dict[int, int]:
+        """Pin the memory slot of every key in memory (None: not asked), index -> slot; unlike
+        :meth:`pin`, a key not in memory does not end the pins."""
+        out: dict[int, int] = {}
+        with self._lock:
+            for i, lk in enumerate(lks):
+                s = self._index.pin(lk) if lk is not None else None
+                if s is not None:
+                    out[i] = s
+        return out
+
+    def drop_corrupt(self, lk: bytes) -> None:
+        """A memory hit whose header failed: forget it, counted as corrupt and a miss."""
+        self._mem_stats.add("corrupt")
+        self._mem_stats.add("misses")
+        with self._lock:
+            self._index.remove(lk)
+
     # -- loads in this process (library, SGLang) -------------------------------------------
 
     def load(self, lks: list[bytes], consume: Consume, tenant: str = SHARED, *, probe: bool = True) -> int:
@@ -461,117 +379,7 @@ class Catalog:
         buffer). A chunk after a failed one may still have been
         consumed; only the returned prefix counts.
         """
-        if not lks:
-            return 0
-        if probe or not self.has_remote:
-            located = self.locate(lks, tenant)
-        else:
-            located = [w or "remote" for w in self.locate_local(lks, tenant)]
-        n = located.index(None) if None in located else len(located)
-        if n < len(lks):
-            self.count_miss(1)  # the chunk that ended the hit (the ones after it were not asked for)
-        pinned: dict[int, int] = {}
-        with self._lock:
-            for i in range(n):
-                if located[i] == MEMORY:
-                    s = self._index.pin(lks[i])
-                    if s is not None:
-                        pinned[i] = s
-        self.protect(lks[:n])
-        futures: dict[int, Future[bool | Future[bool]]] = {}
-        done: dict[int, bool] = {}
-        try:
-            for i in range(n):  # the slow reads first, so they overlap the memory copies
-                if i not in pinned:
-                    futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
-            for i, slot in pinned.items():
-                if self._consume_slot(i, lks[i], slot, consume):
-                    done[i] = True
-                else:  # its header failed: the slower tiers may still have it
-                    futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
-            for i, fut in futures.items():
-                r = fut.result()  # a slot's read hands its check to a verify thread
-                done[i] = r.result() if isinstance(r, Future) else r
-        finally:
-            self.unpin(pinned.values())
-            self.unprotect(lks[:n])
-        k = 0
-        while done.get(k):
-            k += 1
-        return k
-
-    def _consume_slot(self, i: int, lk: bytes, slot: int, consume: Consume) -> bool:
-        """A pinned memory hit: its header checked (not its checksum: slots are written only by
-        this engine, from verified records or the engine's own KV), then consumed."""
-        off = slot * self.slot_bytes
-        rec = self.pools[0].view[off : off + self.record_bytes]
-        verdict = record.verify(
-            rec, self.record_bytes, self.rank_digests[0], self.record_key(0, lk), self.payload_bytes,
-            check_payload=False,
-        )  # fmt: skip
-        if verdict is not record.Verdict.OK:
-            self._mem_stats.add("corrupt")
-            self._mem_stats.add("misses")
-            with self._lock:
-                self._index.remove(lk)
-            return False
-        p = off + record.HEADER_BYTES
-        consume(i, self.pools[0].tensor[p : p + self.payload_bytes])
-        self.count_load(1, self.payload_bytes)
-        return True
-
-    def _load_slow(self, i: int, lk: bytes, consume: Consume, tenant: str) -> bool | Future[bool]:
-        """On an I/O thread: read ``lk`` into a reserved slot and hand its check, consume and
-        promotion to a verify thread (its future), or, with no slot, read and check it into
-        this thread's private buffer and consume it here."""
-        slot = self.reserve() if self.pools else None
-        if slot is not None:
-            try:
-                checks = self._fetch_all_ranks(lk, slot, tenant)
-            except BaseException:
-                self.abort(slot)
-                raise
-            if checks is None:
-                self.abort(slot)
-                return False
-            if self._verify is None:
-                return self._consume_fetched(i, lk, slot, checks, consume)
-            return self._verify.submit(self._consume_fetched, i, lk, slot, checks, consume)
-        buf, tensor = self._scratch_buffer()
-        if not self._read_rank(0, lk, buf, tenant):
-            return False
-        consume(i, tensor[record.HEADER_BYTES : record.HEADER_BYTES + self.payload_bytes])
-        return True
-
-    def _consume_fetched(
-        self, i: int, lk: bytes, slot: int, checks: list[Callable[[], bool]], consume: Consume
-    ) -> bool:
-        try:
-            ok = all(check() for check in checks)
-        except BaseException:
-            self.abort(slot)
-            raise
-        if not ok:
-            self.abort(slot)
-            return False
-        p = slot * self.slot_bytes + record.HEADER_BYTES
-        try:
-            consume(i, self.pools[0].tensor[p : p + self.payload_bytes])
-        finally:
-            with self._lock:
-                promoted = self._commit_locked(slot, lk, keep_pin=False)
-        if promoted:
-            self._mem_stats.add("promotions")
-        return True
-
-    def _scratch_buffer(self) -> tuple[memoryview, torch.Tensor]:
-        """A page-aligned buffer of one record for this thread (O_DIRECT reads need the alignment)."""
-        s = self._scratch
-        if not hasattr(s, "buf"):
-            s.mm = mmap.mmap(-1, self.slot_bytes)
-            s.buf = memoryview(s.mm)
-            s.tensor = torch.frombuffer(s.mm, dtype=torch.uint8)
-        return s.buf, s.tensor
+        return self._reads.load(lks, consume, tenant, probe=probe)
 
     # -- stores ----------------------------------------------------------------------
 
@@ -630,7 +438,7 @@ class Catalog:
         return held
 
     def _store_one(self, i: int, lk: bytes, produce: Produce, tenant: str) -> bool:
-        slow = self._slow_of_rank(0)
+        slow = self.slow_tiers(0)
         rk = self.record_key(0, lk)
         if self.pools:
             with self._lock:
@@ -681,9 +489,7 @@ class Catalog:
     def flush(self) -> None:
         """Wait for every queued cascade write and every running promotion."""
         self._cascade.flush()
-        with self._lock:
-            pending = list(self._staging.values())
-        for f in pending:
+        for f in self._reads.pending():
             f.result()
 
     # -- housekeeping --------------------------------------------------------------
@@ -747,9 +553,7 @@ class Catalog:
         self._closed = True
         self._cascade.close()
         self.flush()
-        self._io.shutdown(wait=True)
-        if self._verify is not None:  # after the I/O threads: their last fetches hand over here
-            self._verify.shutdown(wait=True)
+        self._reads.close()
         # Remote workers first: a worker's last job may still reference its buffer (a slice of a
         # pool) until the worker ends, and a mapping with a live export cannot be closed.
         self._close_tiers()

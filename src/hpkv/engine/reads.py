@@ -1,0 +1,278 @@
+"""The catalog's reading half: every read from a slower tier, on the catalog's threads.
+
+* **promotions** (:meth:`Reader.stage`): a chunk a lookup found in a slower tier is read into a
+  reserved memory slot on an I/O thread, checked on every rank, and only then made visible; the
+  caller (vLLM's scheduler) gets a future and never waits for it;
+* **loads** (:meth:`Reader.load`, the library's and SGLang's path): the chunks of one request
+  handed to the caller's ``consume``, memory hits from their slots, the others read into slots
+  (promoted on the way) or, with no slot to spare, into a private buffer.
+
+A read and its check are two steps (a tier's ``fetch_into``): where there are cores to spare, the
+check runs on a verify thread while the I/O thread fetches the next record. A record that fails its
+check on one tier is read from the next; a chunk that fails on every tier is a miss, never data.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from hpkv.core import record
+from hpkv.core.keys import SHARED_TENANT as SHARED
+from hpkv.core.procs import name_os_thread
+from hpkv.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from hpkv.engine.catalog import Catalog, Consume
+
+log = logging.getLogger(__name__)
+
+MEMORY = "memory"
+
+
+class Reader:
+    def __init__(self, cat: Catalog, io_threads: int, verify_threads: int) -> None:
+        """``io_threads`` read; ``verify_threads`` check what they read (0: each I/O thread checks
+        its own reads)."""
+        self._cat = cat
+        self._lock = threading.Lock()  # guards _staging
+        self._staging: dict[bytes, Future[bool]] = {}
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
+        self._verify = (
+            ThreadPoolExecutor(verify_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread)
+            if verify_threads > 0
+            else None
+        )
+        self._scratch = threading.local()
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
+        """Run ``fn`` on an I/O thread (the remote tiers' existence checks)."""
+        return self._io.submit(fn, *args)
+
+    def pending(self) -> list[Future[bool]]:
+        """The promotions running now."""
+        with self._lock:
+            return list(self._staging.values())
+
+    def close(self) -> None:
+        """Stop the threads once their work is done."""
+        self._io.shutdown(wait=True)
+        if self._verify is not None:  # after the I/O threads: their last fetches hand over here
+            self._verify.shutdown(wait=True)
+
+    # -- promotion (a slower tier -> memory) -------------------------------------------
+
+    def stage(self, lks: list[bytes], tenant: str = SHARED) -> list[Future[bool]]:
+        """See :meth:`Catalog.stage`."""
+        cat = self._cat
+        futures: list[Future[bool]] = []
+        if not cat.pools or not cat.tiers:
+            return futures
+        for lk in lks:
+            if cat.in_memory(lk):
+                continue
+            with self._lock:
+                fut = self._staging.get(lk)
+                if fut is None:
+                    fut = Future()
+                    self._staging[lk] = fut
+                    self._io.submit(self._promote, lk, tenant, fut)
+            futures.append(fut)
+        return futures
+
+    def _promote(self, lk: bytes, tenant: str, fut: Future[bool]) -> None:
+        """On an I/O thread: every rank's record of ``lk`` into a reserved slot, then on to a
+        verify thread (:meth:`_verify_promotion`) that commits it and settles ``fut``."""
+        cat = self._cat
+        slot: int | None = None
+        try:
+            slot = cat.reserve()
+            if slot is None:
+                self._settle(lk, fut, False)
+                return
+            checks = self._fetch_all_ranks(lk, slot, tenant)
+            if checks is None:
+                cat.abort(slot)
+                self._settle(lk, fut, False)
+                return
+            if self._verify is None:
+                self._verify_promotion(lk, slot, checks, fut)
+            else:
+                self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
+        except Exception:
+            log.exception("hpkv: promotion failed")
+            if slot is not None:
+                cat.abort(slot)
+            self._settle(lk, fut, False)
+
+    def _verify_promotion(
+        self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Future[bool]
+    ) -> None:
+        ok = False
+        try:
+            if all(check() for check in checks):
+                ok = self._cat.promoted(slot, lk)
+            else:
+                self._cat.abort(slot)
+        except Exception:
+            log.exception("hpkv: promotion failed")
+            self._cat.abort(slot)
+        finally:
+            self._settle(lk, fut, ok)
+
+    def _settle(self, lk: bytes, fut: Future[bool], ok: bool) -> None:
+        with self._lock:
+            self._staging.pop(lk, None)
+        fut.set_result(ok)
+
+    # -- reads of one chunk ----------------------------------------------------------
+
+    def _fetch_all_ranks(self, lk: bytes, slot: int, tenant: str) -> list[Callable[[], bool]] | None:
+        cat = self._cat
+        off = slot * cat.slot_bytes
+        checks = []
+        for i in range(len(cat.ranks)):
+            check = self._fetch_rank(i, lk, cat.pools[i].view[off : off + cat.slot_bytes], tenant)
+            if check is None:
+                return None
+            checks.append(check)
+        return checks
+
+    def _fetch_rank(self, i: int, lk: bytes, buf: memoryview, tenant: str) -> Callable[[], bool] | None:
+        """Rank ``i``'s record of ``lk`` into ``buf`` from the fastest slower tier that has it, and
+        its check (see :meth:`_fetch_from`)."""
+        return self._fetch_from(self._cat.slow_tiers(i), self._cat.record_key(i, lk), buf, tenant)
+
+    def _fetch_from(
+        self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str
+    ) -> Callable[[], bool] | None:
+        """The record ``rk`` into ``buf`` from the first of ``tiers`` that has it (a local tier is
+        asked first whether it holds it; a remote one is simply read), and its check: if that
+        fails, the check reads from the tiers after it, checking as it goes."""
+        for n, t in enumerate(tiers):
+            if not t.remote and not t.contains_many([rk], tenant)[0]:
+                continue
+            check = t.fetch_into(rk, buf, tenant)
+            if check is not None:
+                rest = tiers[n + 1 :]
+                return lambda: check() or self._read_from(rest, rk, buf, tenant)
+        return None
+
+    def _read_from(self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str) -> bool:
+        """:meth:`_fetch_from` and its check, on this thread."""
+        check = self._fetch_from(tiers, rk, buf, tenant)
+        return check is not None and check()
+
+    # -- loads in this process (library, SGLang) -------------------------------------------
+
+    def load(self, lks: list[bytes], consume: Consume, tenant: str = SHARED, *, probe: bool = True) -> int:
+        """See :meth:`Catalog.load`."""
+        cat = self._cat
+        if not lks:
+            return 0
+        if probe or not cat.has_remote:
+            located = cat.locate(lks, tenant)
+        else:
+            located = [w or "remote" for w in cat.locate_local(lks, tenant)]
+        n = located.index(None) if None in located else len(located)
+        if n < len(lks):
+            cat.count_miss(1)  # the chunk that ended the hit (the ones after it were not asked for)
+        pinned = cat.pin_each([lk if w == MEMORY else None for lk, w in zip(lks[:n], located, strict=False)])
+        cat.protect(lks[:n])
+        futures: dict[int, Future[bool | Future[bool]]] = {}
+        done: dict[int, bool] = {}
+        try:
+            for i in range(n):  # the slow reads first, so they overlap the memory copies
+                if i not in pinned:
+                    futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
+            for i, slot in pinned.items():
+                if self._consume_slot(i, lks[i], slot, consume):
+                    done[i] = True
+                else:  # its header failed: the slower tiers may still have it
+                    futures[i] = self._io.submit(self._load_slow, i, lks[i], consume, tenant)
+            for i, fut in futures.items():
+                r = fut.result()  # a slot's read hands its check to a verify thread
+                done[i] = r.result() if isinstance(r, Future) else r
+        finally:
+            cat.unpin(pinned.values())
+            cat.unprotect(lks[:n])
+        k = 0
+        while done.get(k):
+            k += 1
+        return k
+
+    def _consume_slot(self, i: int, lk: bytes, slot: int, consume: Consume) -> bool:
+        """A pinned memory hit: its header checked (not its checksum: slots are written only by
+        this engine, from verified records or the engine's own KV), then consumed."""
+        cat = self._cat
+        off = slot * cat.slot_bytes
+        rec = cat.pools[0].view[off : off + cat.record_bytes]
+        verdict = record.verify(
+            rec, cat.record_bytes, cat.rank_digests[0], cat.record_key(0, lk), cat.payload_bytes,
+            check_payload=False,
+        )  # fmt: skip
+        if verdict is not record.Verdict.OK:
+            cat.drop_corrupt(lk)
+            return False
+        p = off + record.HEADER_BYTES
+        consume(i, cat.pools[0].tensor[p : p + cat.payload_bytes])
+        cat.count_load(1, cat.payload_bytes)
+        return True
+
+    def _load_slow(self, i: int, lk: bytes, consume: Consume, tenant: str) -> bool | Future[bool]:
+        """On an I/O thread: read ``lk`` into a reserved slot and hand its check, consume and
+        promotion to a verify thread (its future), or, with no slot, read and check it into
+        this thread's private buffer and consume it here."""
+        cat = self._cat
+        slot = cat.reserve() if cat.pools else None
+        if slot is not None:
+            try:
+                checks = self._fetch_all_ranks(lk, slot, tenant)
+            except BaseException:
+                cat.abort(slot)
+                raise
+            if checks is None:
+                cat.abort(slot)
+                return False
+            if self._verify is None:
+                return self._consume_fetched(i, lk, slot, checks, consume)
+            return self._verify.submit(self._consume_fetched, i, lk, slot, checks, consume)
+        buf, tensor = self._scratch_buffer()
+        if not self._read_from(cat.slow_tiers(0), cat.record_key(0, lk), buf, tenant):
+            return False
+        consume(i, tensor[record.HEADER_BYTES : record.HEADER_BYTES + cat.payload_bytes])
+        return True
+
+    def _consume_fetched(
+        self, i: int, lk: bytes, slot: int, checks: list[Callable[[], bool]], consume: Consume
+    ) -> bool:
+        cat = self._cat
+        try:
+            ok = all(check() for check in checks)
+        except BaseException:
+            cat.abort(slot)
+            raise
+        if not ok:
+            cat.abort(slot)
+            return False
+        p = slot * cat.slot_bytes + record.HEADER_BYTES
+        try:
+            consume(i, cat.pools[0].tensor[p : p + cat.payload_bytes])
+        finally:
+            cat.promoted(slot, lk)
+        return True
+
+    def _scratch_buffer(self) -> tuple[memoryview, torch.Tensor]:
+        """A page-aligned buffer of one record for this thread (O_DIRECT reads need the alignment)."""
+        s = self._scratch
+        if not hasattr(s, "buf"):
+            s.mm = mmap.mmap(-1, self._cat.slot_bytes)
+            s.buf = memoryview(s.mm)
+            s.tensor = torch.frombuffer(s.mm, dtype=torch.uint8)
+        return s.buf, s.tensor
