@@ -346,13 +346,13 @@ class Catalog:
     def count_miss(self, chunks: int = 1) -> None:
         self._mem_stats.add("misses", chunks)
 
-    def pin_each(self, lks: Sequence[bytes | None]) -> dict[int, int]:
-        """Pin the memory slot of every key in memory (None: not asked), index -> slot; unlike
-        :meth:`pin`, a key not in memory does not end the pins."""
+    def pin_each(self, lks: Sequence[bytes]) -> dict[int, int]:
+        """Pin the memory slot of every key in memory, index -> slot; unlike :meth:`pin`, a key
+        not in memory does not end the pins."""
         out: dict[int, int] = {}
         with self._lock:
             for i, lk in enumerate(lks):
-                s = self._index.pin(lk) if lk is not None else None
+                s = self._index.pin(lk)
                 if s is not None:
                     out[i] = s
         return out

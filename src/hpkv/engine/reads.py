@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MEMORY = "memory"
-
 
 class Reader:
     def __init__(self, cat: Catalog, io_threads: int, verify_threads: int) -> None:
@@ -183,7 +181,7 @@ class Reader:
         n = located.index(None) if None in located else len(located)
         if n < len(lks):
             cat.count_miss(1)  # the chunk that ended the hit (the ones after it were not asked for)
-        pinned = cat.pin_each([lk if w == MEMORY else None for lk, w in zip(lks[:n], located, strict=False)])
+        pinned = cat.pin_each(lks[:n])  # the memory hits (located there, or promoted since)
         cat.protect(lks[:n])
         futures: dict[int, Future[bool | Future[bool]]] = {}
         done: dict[int, bool] = {}
