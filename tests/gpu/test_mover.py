@@ -200,6 +200,49 @@ def test_load_is_ordered_before_the_compute_stream_reads(pool: ShmPool) -> None:
         mover.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_async_loads_land_in_parts_without_holding_the_compute_stream(pool: ShmPool, device: str) -> None:
+    """vLLM's async load: parts of one request's chunks arrive step by step; each part's copies
+    land bit-exact, the engine's compute stream never waits for them, and ``landed`` says when
+    they are in place (the worker reports the request received only then)."""
+    bs = 16
+    kind = "cpu" if device == "cpu" else "token-major"
+    layout, caches, paged, mover = _setup(kind, bs, torch.bfloat16, device, False)
+    try:
+        mover.attach_pool(pool.tensor)
+        fill_random(caches, seed=11)
+        cpu_paged = PagedKV([c.cpu() for c in caches], bs, layout, paged.backend)
+        nbytes = layout.chunk_bytes(CHUNK)
+        per = CHUNK // bs
+        src = [list(range(i * per, (i + 1) * per)) for i in range(4)]
+        dst = [list(range((4 + i) * per, (5 + i) * per)) for i in range(4)]
+        for i in range(4):
+            slot(pool, i, nbytes).copy_(expected_payload(cpu_paged, src[i], layout))
+        first = mover.load_async([LoadItem(slot(pool, i, nbytes), dst[i], 0, CHUNK) for i in range(2)])
+        if device == "cuda":
+            with torch.cuda.stream(mover.copy_stream):
+                torch.cuda._sleep(400_000_000)  # a slow link for the second part
+        second = mover.load_async([LoadItem(slot(pool, i, nbytes), dst[i], 0, CHUNK) for i in (2, 3)])
+        if device == "cpu":
+            assert first is None and second is None  # done on return
+        else:
+            assert first is not None and second is not None
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())  # the engine's next kernel
+            ev.synchronize()
+            assert not second[1].query(), "the compute stream waited for an async load"
+            second[1].synchronize()
+            assert first[1].query() and second[1].query()
+            assert first[0].elapsed_time(second[1]) > 0
+        got = PagedKV([c.cpu() for c in caches], bs, layout, paged.backend)
+        for i in range(4):
+            want = expected_payload(cpu_paged, src[i], layout)
+            assert torch.equal(expected_payload(got, dst[i], layout), want)
+        assert mover.finish_loads() is None  # nothing of it is a synchronous load
+    finally:
+        mover.close()
+
+
 @CUDA_ONLY
 @pytest.mark.parametrize("layerwise", [False, True])
 def test_load_time_is_the_copy_not_the_enqueue(pool: ShmPool, layerwise: bool) -> None:

@@ -5,6 +5,9 @@ named) and real vLLM ``Request`` objects; the scheduler outputs are synthetic (w
 would hand over: the fields the connector reads), and the workers' part (filling pool slots, reporting
 per rank) is done here the way the workers do it. The only stand-in is a gate that holds a storage read
 (a real disk cannot be made slow on demand). Each test asserts exact counters and pins.
+
+The first tests run the "ask again" mode (``async_load=False``: a hit is answered once every chunk is in
+memory); the ``async`` ones at the end run vLLM's async load (the default).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class Sim:
         ids = list(range(self.next_block, self.next_block + need))
         self.next_block += need
         self.blocks[req.request_id] = ids
-        self.s.update_state_after_alloc(req, SimpleNamespace(), external)
+        # vLLM hands over every block of the request (KVCacheBlocks.get_block_ids(), one group).
+        self.s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), external)
         return ids
 
     def step_output(self, new: list[tuple[Request, int, int]] | None = None) -> Any:
@@ -146,6 +150,7 @@ def make_sim(shm_dir: str, storage_dir: str) -> Iterator[Any]:
         cfg.setdefault("share_mem_file_path", shm_dir)
         cfg.setdefault("storage_path", storage_dir)
         cfg.setdefault("chunk_size", CHUNK)
+        cfg.setdefault("async_load", False)
         ns = Namespace("steps", SMALL, CHUNK, 0, world_size)
         s = HpkvScheduler(HpkvConfig(**cfg), ns, BLOCK, load=True, store=True)
         made.append(s)
@@ -377,4 +382,138 @@ def test_a_miss_on_valkey_is_one_existence_check_and_reserves_nothing(
     assert not sim.cat._reads.pending()  # no promotion was even started for a prompt no tier holds
     assert valkey_server.keyspace_misses() - misses0 == 8  # one EXISTS per chunk, in one batch
     assert valkey_server.keyspace_hits() == hits0
+    sim.s.request_finished(req)
+
+
+# -- vLLM's async load ---------------------------------------------------------------------------
+
+
+def in_storage_only(sim: Sim, tokens: list[int], chunks: int) -> list[bytes]:
+    """Store ``tokens`` cold, then empty memory: every chunk is left in storage alone."""
+    assert sim.cold("cold", tokens) == chunks
+    sim.cat.flush()
+    sim.s.reset_cache()
+    return sim.cat.keys(tokens)
+
+
+def parts_until_last(sim: Sim, timeout: float = 10.0) -> list[Any]:
+    """Idle steps, as vLLM takes while the request waits for its KV, until the load's last part."""
+    parts: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while not parts or not parts[-1].last:
+        assert time.monotonic() < deadline, "the async load never sent its last part"
+        parts.extend(sim.step().loads)
+    return parts
+
+
+def test_async_a_storage_hit_is_answered_at_once_and_each_chunk_sent_as_it_arrives(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = make_sim(async_load=True, storage_io_threads=1)
+    tokens = prompt(4, seed=21)
+    lks = in_storage_only(sim, tokens, 4)
+    assert sim.cat.stage([lks[0]])[0].result(10)  # the head is in memory, the rest in storage
+    gate = Gate(sim, monkeypatch)
+    req = sim.request("b", tokens)
+    t0 = time.monotonic()
+    assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)  # no "later", no wait
+    assert time.monotonic() - t0 < 1.0
+    ids = sim.admit(req, 4 * CHUNK)
+    assert gate.reading.wait(5)
+    [first] = sim.step().loads  # the chunk in memory goes at once; the others are still read
+    assert first.asynchronous and not first.last
+    assert [c.lk for c in first.chunks] == lks[:1] and first.chunks[0].block_ids == ids[:2]
+    assert sim.step().loads == []  # nothing new while the reads are held
+    gate.release.set()
+    rest = parts_until_last(sim)
+    assert {p.op_id for p in rest} == {first.op_id}
+    sent = [c for p in [first, *rest] for c in p.chunks]
+    assert [c.lk for c in sent] == lks
+    assert [c.block_ids for c in sent] == [ids[2 * j : 2 * j + 2] for j in range(4)]
+    assert all(not p.failed_blocks for p in rest)
+    assert sim.pinned() == 4  # every chunk sent is held until the workers have copied it
+    assert sim.s.has_pending_ops()
+    sim.report({first.op_id: (1, 0)})
+    assert sim.pinned() == 0 and not sim.s.has_pending_ops()
+    c = sim.counters()
+    assert c["loaded_tokens"] == 4 * CHUNK and c["lookup_hit_tokens"] == 4 * CHUNK
+    assert sim.cat.stats()[MEMORY]["promotions"] == 4 and sim.cat.stats()[MEMORY]["hits"] == 4
+    assert sim.s.request_finished(req) is False  # received: vLLM may free the blocks now
+    # Scheduled after its load: it stores nothing it loaded, and a preemption's lookup pins memory.
+    sim.cat.check()
+
+
+def test_async_a_corrupt_chunk_ends_the_load_there_and_its_blocks_are_recomputed(make_sim: Any) -> None:
+    from tests.engine.test_promotion import flip_payload_byte
+
+    sim = make_sim(async_load=True, storage_io_threads=1)
+    tokens = prompt(4, seed=22)
+    lks = in_storage_only(sim, tokens, 4)
+    flip_payload_byte(sim.cat.storage[0].path(sim.cat.record_key(0, lks[2])))
+    req = sim.request("b", tokens)
+    assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)
+    ids = sim.admit(req, 4 * CHUNK)
+    parts = parts_until_last(sim)
+    sent = [c.lk for p in parts for c in p.chunks]
+    assert sent == lks[:2]  # chunk 2 failed its check: it and all after it are not loaded
+    assert [b for p in parts for b in p.failed_blocks] == ids[4:8]  # vLLM recomputes from block 4
+    assert sim.pinned() == 2
+    sim.report({parts[0].op_id: (1, 0)})
+    assert sim.pinned() == 0
+    assert sim.counters()["loaded_tokens"] == 2 * CHUNK
+    assert sim.cat.stats()["storage"]["corrupt"] == 1
+    sim.s.request_finished(req)
+    sim.cat.check()
+
+
+def test_async_a_request_aborted_mid_load_keeps_its_blocks_until_the_workers_report(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sim = make_sim(async_load=True, storage_io_threads=1)
+    tokens = prompt(3, seed=23)
+    lks = in_storage_only(sim, tokens, 3)
+    assert sim.cat.stage([lks[0]])[0].result(10)
+    gate = Gate(sim, monkeypatch)
+    req = sim.request("b", tokens)
+    assert sim.s.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
+    sim.admit(req, 3 * CHUNK)
+    [first] = sim.step().loads
+    assert len(first.chunks) == 1 and sim.pinned() == 2  # the chunk sent, the slot being read into
+    assert sim.s.request_finished(req) is True  # a copy may still write its blocks: vLLM keeps them
+    [last] = sim.step().loads  # the remaining part: nothing more to copy, no blocks to recompute
+    assert last.last and last.chunks == [] and last.failed_blocks == []
+    gate.release.set()
+    for _ in range(50):  # the held reads finish into memory, unpinned and unprotected
+        if not sim.cat._reads.pending():
+            break
+        time.sleep(0.1)
+    assert sim.pinned() == 1  # the copy in flight
+    sim.report({first.op_id: (1, 0)})  # the workers report it received: vLLM frees the blocks
+    assert sim.pinned() == 0 and not sim.s.has_pending_ops()
+    assert sim.cat._protected == {}
+    sim.cat.check()
+
+
+def test_async_asked_again_before_allocation_gives_the_same_answer_and_stages_once(
+    make_sim: Any,
+) -> None:
+    sim = make_sim(async_load=True)
+    tokens = prompt(2, seed=24)
+    in_storage_only(sim, tokens, 2)
+    req = sim.request("b", tokens)
+    lookups = sim.counters()["lookups"]
+    assert sim.s.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    promotions = sim.cat.stats()[MEMORY]["promotions"]
+    # vLLM could not allocate the blocks this step: it asks again at the next one.
+    assert sim.s.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
+    sim.admit(req, 2 * CHUNK)
+    parts = parts_until_last(sim)
+    assert len({c.lk for p in parts for c in p.chunks}) == 2
+    assert sim.cat.stats()[MEMORY]["promotions"] - promotions <= 2
+    assert sim.counters()["lookups"] - lookups == 1
+    sim.report({parts[0].op_id: (1, 0)})
+    req2 = sim.request("c", tokens)
+    assert sim.s.get_num_new_matched_tokens(req2, 0) == (2 * CHUNK, False)  # both in memory now
+    sim.s.request_finished(req2)
+    assert sim.pinned() == 0
     sim.s.request_finished(req)

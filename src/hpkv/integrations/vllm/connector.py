@@ -149,6 +149,11 @@ class HpkvConnectorV1(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_results() if self._worker is not None else None
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Async loads whose copies all landed on this rank (vLLM waits for every rank's word).
+        done = self._worker.finished_loads() if self._worker is not None else set()
+        return None, done or None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -181,9 +186,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request)
-        return False, None
+        # True while an async load still writes into the request's blocks: vLLM frees them once
+        # the workers report it received.
+        delay = self._scheduler.request_finished(request) if self._scheduler is not None else False
+        return delay, None
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

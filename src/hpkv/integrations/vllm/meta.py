@@ -31,6 +31,14 @@ class LoadRequest:
     prompt_tokens: int
     requested_tokens: int
     tiers: dict[str, int]  # chunks by the tier they came from (before staging into memory)
+    # vLLM's async load: the op arrives in parts, one per step, each with the chunks that reached
+    # memory since the last; the worker reports the request received once the ``last`` part's
+    # copies landed. ``failed_blocks``: blocks of chunks that will never come (a failed promotion),
+    # reported to vLLM as load errors, so it recomputes from the first of them.
+    asynchronous: bool = False
+    last: bool = True
+    failed_blocks: list[int] = field(default_factory=list)
+    since: float = 0.0  # time.monotonic() of the lookup (same host): the async load's log line
 
 
 @dataclass

@@ -199,6 +199,30 @@ class Mover:
         ended.record(self.scatter_stream)
         self._load_timing = (began, ended)
 
+    def load_async(self, items: list[LoadItem]) -> tuple[Any, Any] | None:
+        """Copy the items into the paged KV for a request the engine does not run yet (vLLM's async
+        load): the compute stream does not wait for them. CPU: done on return (None). CUDA:
+        enqueued; returns (began, landed) timing events; the caller reports the request received
+        once ``landed`` has completed (``landed.query()``), never before."""
+        if not items:
+            return None
+        if not self.cuda:
+            for it in items:
+                self.paged.scatter(it.payload, it.block_ids, it.first, it.count)
+            return None
+        # After whatever the compute stream has enqueued so far: the blocks were just given to
+        # this request, and an earlier step may still be reading them for the one that had them.
+        start = _event()
+        start.record(torch.cuda.current_stream(self.device))
+        self.copy_stream.wait_event(start)
+        self.scatter_stream.wait_event(start)
+        began = _event(timing=True)
+        began.record(self.copy_stream)
+        self._load_grouped(items)
+        landed = _event(timing=True)
+        landed.record(self.scatter_stream)
+        return began, landed
+
     def _buffer(self, name: str, rows: int, nbytes: int, stream: Any) -> torch.Tensor:
         """Staging buffer ``name`` (``[rows, nbytes]`` view), after ``stream`` waited until its
         last reader is done."""

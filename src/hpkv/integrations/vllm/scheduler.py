@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +67,13 @@ class _Req:
     staged: bool = False
     tiers: dict[str, int] = field(default_factory=dict)
     protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
+    # vLLM's async load (a hit that needs a slower tier, config.async_load): the hit's end in
+    # tokens once answered; the chunks not yet sent to the workers (index, their promotion or None
+    # for a chunk in memory); the load op from allocation until every rank reported it.
+    async_hit: int = 0
+    async_wait: list[tuple[int, Future[bool] | None]] = field(default_factory=list)
+    async_op: int = 0
+    finished: bool = False  # vLLM finished (aborted) the request while its async load was in flight
 
 
 @dataclass
@@ -78,6 +85,7 @@ class _Op:
     failed: bool = False
     tokens: int = 0
     tenant: str = SHARED_TENANT
+    req_id: str = ""
     since: float = field(default_factory=time.monotonic)
 
 
@@ -112,6 +120,7 @@ class HpkvScheduler:
         self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
         self.world_size = namespace.world_size
         self._reqs: dict[str, _Req] = {}
+        self._async: dict[str, _Req] = {}  # async loads whose last part is still to be sent
         self._ops: dict[int, _Op] = {}
         self._next_op = 1
         self._pending_store: set[bytes] = set()
@@ -186,6 +195,11 @@ class HpkvScheduler:
         self._release_lease(st)
         if not self.load_enabled or not st.lks:
             return 0, False
+        if st.async_hit and not st.async_op:  # asked again before vLLM could allocate: same answer
+            if st.async_hit > num_computed:
+                return st.async_hit - num_computed, True
+            self._end_async(st)
+            return 0, False
         C = self.chunk_size
         first = num_computed // C
         lks = st.lks
@@ -215,9 +229,11 @@ class HpkvScheduler:
                 st.protected = lks[st.looked_from : st.looked_from + cut]
                 self.catalog.protect(st.protected)
                 need = [lk for lk, w in zip(st.protected, where, strict=True) if w != MEMORY]
-                st.staging = self.catalog.stage(need, st.tenant)
                 if not st.staging_since:
                     st.staging_since = time.monotonic()
+                if need and self.config.async_load:
+                    return self._answer_async(st, num_computed)
+                st.staging = self.catalog.stage(need, st.tenant)
             if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
                 return None, False
             st.staged = True
@@ -251,9 +267,50 @@ class HpkvScheduler:
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, False
 
+    def _answer_async(self, st: _Req, num_computed: int) -> tuple[int, bool]:
+        """The hit needs storage or valkey: answer it now, as vLLM's async load, while its chunks
+        are promoted; each is sent to the workers as soon as it is in memory (see
+        :meth:`_async_part`), so the reads of later chunks overlap the copies of earlier ones."""
+        C = self.chunk_size
+        first = st.looked_from
+        hit = min((first + len(st.protected)) * C, st.prompt_len - 1)
+        if hit <= num_computed:
+            self._unprotect(st)
+            st.staged = True
+            return 0, False
+        needed = -(-hit // C) - first
+        wait_on: list[tuple[int, Future[bool] | None]] = []
+        for i, lk in enumerate(st.protected[:needed]):
+            futs = [] if self.catalog.in_memory(lk) else self.catalog.stage([lk], st.tenant)
+            wait_on.append((i, futs[0] if futs else None))
+        st.async_wait = wait_on
+        st.staging = [f for _, f in wait_on if f is not None]
+        st.async_hit, st.staged = hit, True
+        st.load_start, st.load_tokens = num_computed, hit - num_computed
+        self._counters["lookups"] += 1
+        self._counters["lookup_hit_tokens"] += st.load_tokens
+        return st.load_tokens, True
+
+    def _end_async(self, st: _Req) -> None:
+        st.async_hit, st.async_wait, st.staging = 0, [], []
+        self._unprotect(st)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
+            return
+        if st.async_hit and not st.async_op:
+            if num_external <= 0:  # vLLM kept its own (longer) hit
+                self._end_async(st)
+                return
+            # The request waits for its KV unscheduled: its blocks come from here, not from a step.
+            st.block_ids = list(blocks.get_block_ids()[0])
+            st.load_tokens = min(st.load_tokens, num_external)
+            st.async_op = self._new_op(
+                _Op("load", [], remaining=self.world_size, tokens=st.load_tokens, req_id=request.request_id)
+            )
+            self._async[request.request_id] = st
+            st.next_store = max(st.next_store, (st.load_start + st.load_tokens) // self.chunk_size)
             return
         if num_external <= 0:
             self._release_lease(st)
@@ -284,8 +341,76 @@ class HpkvScheduler:
             elif new_ids:
                 known.block_ids.extend(new_ids[0])
             self._plan(meta, req_id, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+        for req_id, st in list(self._async.items()):
+            part = self._async_part(req_id, st)
+            if part is not None:
+                meta.loads.append(part)
         self._write_stats()
         return meta
+
+    def _async_part(self, req_id: str, st: _Req) -> LoadRequest | None:
+        """This step's part of an async load: the chunks that reached memory since the last part
+        (pinned now, released when every rank has copied), and the blocks of chunks that never
+        will (a failed promotion, or tier I/O past STAGE_GIVE_UP_S): vLLM recomputes from the first
+        of those. The last part goes out once no chunk is awaited; None when there is nothing new."""
+        C, bs = self.chunk_size, self.block_size
+        per_chunk = C // bs
+        op = self._ops[st.async_op]
+        end = st.load_start + st.load_tokens
+        give_up = st.finished or self._gave_up(st)
+        chunks: list[ChunkLoad] = []
+        failed: list[int] = []
+        waiting: list[tuple[int, Future[bool] | None]] = []
+        failing = False
+        for i, fut in st.async_wait:
+            j = st.looked_from + i
+            lo, hi = max(j * C, st.load_start), min((j + 1) * C, end)
+            blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
+            arrived = fut is None or fut.done()
+            if not failing and not arrived and not give_up:
+                waiting.append((i, fut))
+                continue
+            # In memory (and kept there: protected) unless its promotion failed or was given up.
+            ok = not failing and not st.finished and arrived and (fut is None or fut.result())
+            slots = self.catalog.pin([st.lks[j]]) if ok else []
+            ok = bool(slots)
+            if not ok or hi <= lo:
+                self.catalog.unpin(slots)
+                if not ok:
+                    failing = True
+                    failed.extend(blocks[(lo - j * C) // bs : -(-(hi - j * C) // bs)])
+                    op.tokens -= max(0, hi - lo)
+                continue
+            op.slots.append(slots[0])
+            chunks.append(ChunkLoad(slots[0], st.lks[j], blocks, lo - j * C, hi - lo))
+        st.async_wait = waiting
+        st.staging = [f for _, f in waiting if f is not None]
+        last = not waiting
+        if not chunks and not failed and not last:
+            return None
+        if last:
+            del self._async[req_id]
+            self._unprotect(st)
+            log.info(
+                "hpkv: async load of request %s: %d chunks sent to the engine as they reached memory, "
+                "the last %.1f ms after the lookup%s",
+                req_id,
+                len(op.slots),
+                (time.monotonic() - st.staging_since) * 1e3,
+                f"; {len(failed)} blocks could not be read and are recomputed" if failed else "",
+            )
+        return LoadRequest(
+            st.async_op,
+            req_id,
+            chunks,
+            st.prompt_len,
+            st.load_tokens,
+            st.tiers,
+            asynchronous=True,
+            last=last,
+            failed_blocks=[] if st.finished else failed,
+            since=st.staging_since,
+        )
 
     def _plan(self, meta: HpkvMeta, req_id: str, st: _Req, computed_after: int) -> None:
         C, bs = self.chunk_size, self.block_size
@@ -384,6 +509,9 @@ class HpkvScheduler:
                     self._counters["stored_tokens"] += op.tokens
             else:
                 self.catalog.unpin(op.slots)
+                st = self._reqs.get(op.req_id)
+                if st is not None and st.async_op == op_id:
+                    st.async_op, st.async_hit = 0, 0  # a later lookup (preemption) pins from memory
                 if op.failed:
                     self._counters["load_failures"] += 1
                 else:
@@ -399,12 +527,22 @@ class HpkvScheduler:
         now = time.monotonic()
         return any(now - op.since < PENDING_OPS_MAX_S for op in self._ops.values())
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> bool:
+        """vLLM is done with the request (finished or aborted). True: an async load still writes
+        into its blocks, so vLLM must keep them until the workers report it received (they do
+        once the copies landed; its remaining part goes out at the next step)."""
         st = self._reqs.pop(request.request_id, None)
+        delay = False
         if st is not None:
             self._release_lease(st)
-            self._unprotect(st)
+            if st.async_op and st.async_op in self._ops:
+                delay, st.finished = True, True
+                if request.request_id not in self._async:
+                    self._unprotect(st)
+            else:
+                self._end_async(st)
         self._write_stats()
+        return delay
 
     def reset_cache(self) -> bool:
         """``POST /reset_prefix_cache?reset_external=true``: drop the memory pool's chunks."""
@@ -424,7 +562,8 @@ class HpkvScheduler:
                 pending.append(st.probe)
             pending.extend(f for f in st.staging if not f.done())
         if pending:
-            wait(pending, timeout=IDLE_WAIT_S)
+            # An async load sends each chunk as it arrives: wake for the first one.
+            wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED if self._async else ALL_COMPLETED)
 
     def _unprotect(self, st: _Req) -> None:
         if st.protected:

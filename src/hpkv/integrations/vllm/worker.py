@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +34,17 @@ from hpkv.integrations.vllm.paged import PagedKV
 from hpkv.tiers.memory.pool import PAGE, ShmPool
 
 log = logging.getLogger("hpkv")
+
+
+@dataclass
+class _AsyncLoad:
+    """One async load on this rank, from its first part to the report of the last part's copies."""
+
+    req: LoadRequest  # the latest part (its ``last`` says whether more are coming)
+    loaded: int = 0  # tokens queued
+    failed: bool = False  # a chunk failed its header check here
+    copies: list[Any] = field(default_factory=list)  # CUDA: (began, landed) events per part
+    t0: float = 0.0  # CPU: perf_counter of the first copy
 
 
 class HpkvWorker:
@@ -67,6 +80,7 @@ class HpkvWorker:
         self._results: dict[int, tuple[int, int]] = {}
         self._load_errors: set[int] = set()
         self._unlogged: list[tuple[LoadRequest, int]] = []  # CUDA loads whose copies are in flight
+        self._async: dict[int, _AsyncLoad] = {}  # op id -> async load not yet reported received
         self._announce = False  # mapped the pool since the last report
         self._start_pool = start_pool if config is not None and config.mem_pool_size > 0 else None
         self._config = config
@@ -145,8 +159,13 @@ class HpkvWorker:
         logs = []
         t0 = time.perf_counter()
         for req in meta.loads:
+            if req.asynchronous:
+                self._start_async(pool, req)
+                continue
             loaded = self._plan_load(pool, req, items)
             logs.append((req, loaded))
+        if not logs:
+            return
         self.mover.load(items)
         if self.rank != 0:
             return
@@ -157,8 +176,49 @@ class HpkvWorker:
         for req, loaded in logs:
             self._log_load(req, loaded, dt if len(logs) == 1 else dt / len(logs))
 
-    def _plan_load(self, pool: ShmPool, req: LoadRequest, items: list[LoadItem]) -> int:
-        """Check each chunk's header and queue its copy; returns the tokens queued."""
+    def _start_async(self, pool: ShmPool, req: LoadRequest) -> None:
+        """A part of an async load: its chunks' copies start now, behind the engine's back (the
+        request is not scheduled until :meth:`finished_loads` says so); blocks the scheduler could
+        not fill are reported as load errors at once (vLLM wants them no later than the request)."""
+        assert self.mover is not None
+        st = self._async.get(req.op_id)
+        if st is None:
+            st = self._async[req.op_id] = _AsyncLoad(req, t0=time.perf_counter())
+        st.req = req
+        self._load_errors.update(req.failed_blocks)
+        if st.failed:  # an earlier part failed a check: vLLM recomputes from there anyway
+            return
+        items: list[LoadItem] = []
+        st.loaded += self._plan_load(pool, req, items, report=False)
+        st.failed = len(items) < len(req.chunks)  # a header check failed (its blocks are noted)
+        copies = self.mover.load_async(items)
+        if copies is not None:
+            st.copies.append(copies)
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose async load is complete on this rank: the last part arrived and every copy
+        landed (CUDA: events queried, never waited for). Each is reported once, with its op."""
+        done: set[str] = set()
+        for op_id, st in list(self._async.items()):
+            if not st.req.last or not all(landed.query() for _, landed in st.copies):
+                continue
+            del self._async[op_id]
+            with self._lock:
+                self._results[op_id] = (0, 1) if st.failed else (1, 0)
+            done.add(st.req.req_id)
+            if self.rank == 0 and st.loaded:
+                if st.copies:  # the device's span from the first copy to the last, waits between included
+                    took = float(st.copies[0][0].elapsed_time(st.copies[-1][1])) / 1e3
+                else:
+                    took = time.perf_counter() - st.t0
+                self._log_load(st.req, st.loaded, took, since=st.req.since)
+        return done
+
+    def _plan_load(
+        self, pool: ShmPool, req: LoadRequest, items: list[LoadItem], *, report: bool = True
+    ) -> int:
+        """Check each chunk's header and queue its copy; returns the tokens queued. ``report``:
+        the op's result is known now (a synchronous load)."""
         loaded = 0
         failed_from: int | None = None
         for n, ch in enumerate(req.chunks):
@@ -184,18 +244,22 @@ class HpkvWorker:
                 first_block = ch.first // self.block_size
                 last_block = -(-(ch.first + ch.count) // self.block_size)
                 self._load_errors.update(ch.block_ids[first_block:last_block])
-        with self._lock:
-            self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
+        if report:
+            with self._lock:
+                self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
         return loaded
 
-    def _log_load(self, req: LoadRequest, loaded: int, dt: float) -> None:
+    def _log_load(self, req: LoadRequest, loaded: int, dt: float, since: float = 0.0) -> None:
         # This rank's bytes over this rank's time: with tensor parallelism every rank copies its
         # own shard on its own link, and only rank 0 logs.
         gb = loaded * self.ns.layout.token_bytes / 1e9
         tiers = ", ".join(f"{k}: {v} chunks" for k, v in sorted(req.tiers.items()) if v)
+        extra = ""
+        if since:  # an async load: its copies overlapped the tier reads; say the whole wait too
+            extra = f"; async, {(time.monotonic() - since) * 1e3:.1f} ms from the lookup to now"
         log.info(
             "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
-            "cost %.4f ms, throughput: %.4f GB/s (%s)" + self._shard,
+            "cost %.4f ms, throughput: %.4f GB/s (%s%s)" + self._shard,
             loaded,
             req.requested_tokens,
             req.prompt_tokens,
@@ -203,6 +267,7 @@ class HpkvWorker:
             dt * 1e3,
             gb / dt if dt > 0 else 0.0,
             tiers or "memory",
+            extra,
         )
 
     def wait_layer(self, index: int) -> None:
