@@ -6,8 +6,8 @@ would hand over: the fields the connector reads), and the workers' part (filling
 per rank) is done here the way the workers do it. The only stand-in is a gate that holds a storage read
 (a real disk cannot be made slow on demand). Each test asserts exact counters and pins.
 
-The first tests run the "ask again" mode (``async_load=False``: a hit is answered once every chunk is in
-memory); the ``async`` ones at the end run vLLM's async load (the default).
+The first tests run the default "ask again" mode (a hit is answered once every chunk is in memory); the
+``async`` ones at the end run vLLM's async load (``async_load=True``).
 """
 
 from __future__ import annotations
@@ -150,7 +150,6 @@ def make_sim(shm_dir: str, storage_dir: str) -> Iterator[Any]:
         cfg.setdefault("share_mem_file_path", shm_dir)
         cfg.setdefault("storage_path", storage_dir)
         cfg.setdefault("chunk_size", CHUNK)
-        cfg.setdefault("async_load", False)
         ns = Namespace("steps", SMALL, CHUNK, 0, world_size)
         s = HpkvScheduler(HpkvConfig(**cfg), ns, BLOCK, load=True, store=True)
         made.append(s)

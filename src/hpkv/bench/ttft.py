@@ -169,9 +169,9 @@ NEEDS_LOCAL = {
     "storage-cold": "needs the storage files on this machine",
     "valkey": "needs an engine restart",
 }
-SYSTEMS = ("hpkv", "hpkv-layerwise", "hpkv-sync", "none", "native", "lmcache")
+SYSTEMS = ("hpkv", "hpkv-layerwise", "hpkv-async", "none", "native", "lmcache")
 # hpkv-layerwise: hpkv with HPKV_LAYERWISE_LOAD=true (on CUDA each layer is loaded, then attended to);
-# hpkv-sync: HPKV_ASYNC_LOAD=false (a slow-tier hit is answered once every chunk is in memory)
+# hpkv-async: HPKV_ASYNC_LOAD=true (vLLM's async load: each chunk sent to the engine as it reaches memory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,8 +394,8 @@ class Runner:
         )
         if self.system == "hpkv-layerwise":
             env["HPKV_LAYERWISE_LOAD"] = "true"
-        if self.system == "hpkv-sync":
-            env["HPKV_ASYNC_LOAD"] = "false"
+        if self.system == "hpkv-async":
+            env["HPKV_ASYNC_LOAD"] = "true"
         wants_valkey = "valkey" in todo and (self.hpkv or self.system == "lmcache")
         if self.hpkv and args.remote_url:
             env["HPKV_REMOTE_URL"] = args.remote_url
