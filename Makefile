@@ -102,7 +102,7 @@ test-gpu:
 # the mover's CUDA cases and the connector's end-to-end suites against vLLM's GPU engine.
 test-gpu-e2e:
 	VLLM_USE_FLASHINFER_SAMPLER=0 python3 -m pytest -q tests/gpu tests/e2e/test_identity.py \
-	  tests/e2e/test_vllm_connector.py tests/e2e/test_valkey.py
+	  tests/e2e/test_vllm_connector.py tests/e2e/test_valkey.py tests/e2e/test_async_load.py
 
 # On the device's nvidia-h200-x2 (two GPUs), vLLM 0.26 carried as for test-gpu-e2e:
 test-gpu-tp2:
