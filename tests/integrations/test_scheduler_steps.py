@@ -395,6 +395,18 @@ def in_storage_only(sim: Sim, tokens: list[int], chunks: int) -> list[bytes]:
     return sim.cat.keys(tokens)
 
 
+def head_in_memory_rest_held(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch, chunks: int, seed: int
+) -> tuple[Sim, list[int], list[bytes], Gate]:
+    """An async-load scheduler with one I/O thread; a prompt whose first chunk is in memory and the
+    rest in storage, every storage read held by the gate until released."""
+    sim = make_sim(async_load=True, storage_io_threads=1)
+    tokens = prompt(chunks, seed=seed)
+    lks = in_storage_only(sim, tokens, chunks)
+    assert sim.cat.stage([lks[0]])[0].result(10)
+    return sim, tokens, lks, Gate(sim, monkeypatch)
+
+
 def parts_until_last(sim: Sim, timeout: float = 10.0) -> list[Any]:
     """Idle steps, as vLLM takes while the request waits for its KV, until the load's last part."""
     parts: list[Any] = []
@@ -408,11 +420,7 @@ def parts_until_last(sim: Sim, timeout: float = 10.0) -> list[Any]:
 def test_async_a_storage_hit_is_answered_at_once_and_each_chunk_sent_as_it_arrives(
     make_sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sim = make_sim(async_load=True, storage_io_threads=1)
-    tokens = prompt(4, seed=21)
-    lks = in_storage_only(sim, tokens, 4)
-    assert sim.cat.stage([lks[0]])[0].result(10)  # the head is in memory, the rest in storage
-    gate = Gate(sim, monkeypatch)
+    sim, tokens, lks, gate = head_in_memory_rest_held(make_sim, monkeypatch, 4, seed=21)
     req = sim.request("b", tokens)
     t0 = time.monotonic()
     assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)  # no "later", no wait
@@ -468,11 +476,7 @@ def test_async_a_corrupt_chunk_ends_the_load_there_and_its_blocks_are_recomputed
 def test_async_a_request_aborted_mid_load_keeps_its_blocks_until_the_workers_report(
     make_sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sim = make_sim(async_load=True, storage_io_threads=1)
-    tokens = prompt(3, seed=23)
-    lks = in_storage_only(sim, tokens, 3)
-    assert sim.cat.stage([lks[0]])[0].result(10)
-    gate = Gate(sim, monkeypatch)
+    sim, tokens, _, gate = head_in_memory_rest_held(make_sim, monkeypatch, 3, seed=23)
     req = sim.request("b", tokens)
     assert sim.s.get_num_new_matched_tokens(req, 0) == (3 * CHUNK, True)
     sim.admit(req, 3 * CHUNK)
