@@ -1,8 +1,13 @@
-# Fourth run: the seed table on the 7B shape, hpkv ("ask again") next to hpkv-async, eager.
+# Fourth run: the seed table on the 7B shape (eager). Arguments replace the defaults after --model, e.g.
+#   bash scripts/gpu/ttft.sh --compare hpkv,native --scenarios prefill,gpu,memory,storage \
+#     --prompt-kind random --prompts 48 --pool-size 24G
+# (letters repeat after 26 prompts; 48 prompts of 448 MiB need a 24 GiB pool for the memory row).
 . scripts/gpu/env.sh
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
-timeout 580 python3 -m hpkv.cli.main bench ttft --model /root/m7b --compare hpkv,hpkv-async \
-  --scenarios prefill,gpu,memory,storage,valkey --pool-size 8G --vllm-args="--enforce-eager" --out $OUT/ttft > $OUT/ttft.log 2>&1
+ARGS=("$@")
+[ ${#ARGS[@]} -gt 0 ] || ARGS=(--compare hpkv,hpkv-async --scenarios prefill,gpu,memory,storage,valkey --pool-size 8G)
+timeout 580 python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="--enforce-eager" "${ARGS[@]}" \
+  --out $OUT/ttft > $OUT/ttft.log 2>&1
 echo "rc=$?"
 grep -h "Retrieved\|async load of\|staged" $OUT/ttft/*.log 2>/dev/null | tail -30
 tail -60 $OUT/ttft.log

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpkv.bench.report import print_system, resolved
+from hpkv.bench.report import diff_interval, print_system, resolved
 from hpkv.bench.verify import Expect, Row, System, verify_engine, verify_hpkv
 
 E = Expect(prompts=2, chunks=4, tokens=1100, block_size=64)
@@ -114,7 +114,26 @@ def test_a_hit_row_within_the_gpu_rows_noise_claims_no_load_rate(capsys: pytest.
     assert "unresolved" in memory and "GB/s" not in memory
     assert "GB/s" in storage and "0.0900-0.1100" in storage  # the spread, min-max
     assert "x!" in storage and "above the reference" in out  # 8.9 GB/s over a 1 GB/s reference
-    assert "middle halves" in out
+    assert "95% interval" in out and "1/sqrt(prompts)" in out
+
+
+def test_more_prompts_resolve_a_hit_the_gpu_rows_spread_hides() -> None:
+    """A memory hit 9 ms above a GPU-hit row that varies by 30 ms (as on the H200): 8 samples of each
+    cannot tell them apart, 100 can, though the two rows' spreads still overlap."""
+    import random
+
+    def rows(n: int) -> tuple[Row, Row]:
+        r = random.Random(1)
+        gpu = [0.045 + r.random() * 0.030 for _ in range(n)]
+        return _row("memory", [0.054 + r.random() * 0.030 for _ in range(n)]), _row("gpu", gpu)
+
+    assert not resolved(*rows(8))
+    many = rows(100)
+    assert resolved(*many)
+    lo, hi = diff_interval(*many)
+    assert 0 < lo < 0.009 < hi
+    hit, gpu = many
+    assert min(hit.ttfts) < max(gpu.ttfts)  # the spreads overlap all the same
 
 
 def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
