@@ -20,6 +20,7 @@ from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace
 from hpkv.core.procs import name_os_thread
 from hpkv.engine.catalog import MEMORY, Catalog
+from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.statsfile import StatsFile
@@ -349,44 +350,26 @@ class HpkvScheduler:
         return meta
 
     def _async_part(self, req_id: str, st: _Req) -> LoadRequest | None:
-        """This step's part of an async load: the chunks that reached memory since the last part
-        (pinned now, released when every rank has copied), and the blocks of chunks that never
-        will (a failed promotion, or tier I/O past STAGE_GIVE_UP_S): vLLM recomputes from the first
-        of those. The last part goes out once no chunk is awaited; None when there is nothing new."""
-        C, bs = self.chunk_size, self.block_size
-        per_chunk = C // bs
+        """This step's part of an async load (see async_parts.py); the last part goes out once no
+        chunk is awaited; None when there is nothing new."""
         op = self._ops[st.async_op]
-        end = st.load_start + st.load_tokens
-        give_up = st.finished or self._gave_up(st)
-        chunks: list[ChunkLoad] = []
-        failed: list[int] = []
-        waiting: list[tuple[int, Future[bool] | None]] = []
-        failing = False
-        for i, fut in st.async_wait:
-            j = st.looked_from + i
-            lo, hi = max(j * C, st.load_start), min((j + 1) * C, end)
-            blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
-            arrived = fut is None or fut.done()
-            if not failing and not arrived and not give_up:
-                waiting.append((i, fut))
-                continue
-            # In memory (and kept there: protected) unless its promotion failed or was given up.
-            ok = not failing and not st.finished and arrived and (fut is None or fut.result())
-            slots = self.catalog.pin([st.lks[j]]) if ok else []
-            ok = bool(slots)
-            if not ok or hi <= lo:
-                self.catalog.unpin(slots)
-                if not ok:
-                    failing = True
-                    failed.extend(blocks[(lo - j * C) // bs : -(-(hi - j * C) // bs)])
-                    op.tokens -= max(0, hi - lo)
-                continue
-            op.slots.append(slots[0])
-            chunks.append(ChunkLoad(slots[0], st.lks[j], blocks, lo - j * C, hi - lo))
-        st.async_wait = waiting
-        st.staging = [f for _, f in waiting if f is not None]
-        last = not waiting
-        if not chunks and not failed and not last:
+        part = next_part(
+            self.catalog,
+            st.async_wait,
+            st.lks,
+            st.looked_from,
+            st.block_ids,
+            (st.load_start, st.load_start + st.load_tokens),
+            (self.chunk_size, self.block_size),
+            give_up=st.finished or self._gave_up(st),
+            finished=st.finished,
+        )
+        op.slots.extend(c.slot for c in part.chunks)
+        op.tokens -= part.lost_tokens
+        st.async_wait = part.waiting
+        st.staging = [f for _, f in part.waiting if f is not None]
+        last = not part.waiting
+        if not part.chunks and not part.failed_blocks and not last:
             return None
         if last:
             del self._async[req_id]
@@ -397,18 +380,20 @@ class HpkvScheduler:
                 req_id,
                 len(op.slots),
                 (time.monotonic() - st.staging_since) * 1e3,
-                f"; {len(failed)} blocks could not be read and are recomputed" if failed else "",
+                f"; {len(part.failed_blocks)} blocks could not be read and are recomputed"
+                if part.failed_blocks
+                else "",
             )
         return LoadRequest(
             st.async_op,
             req_id,
-            chunks,
+            part.chunks,
             st.prompt_len,
             st.load_tokens,
             st.tiers,
             asynchronous=True,
             last=last,
-            failed_blocks=[] if st.finished else failed,
+            failed_blocks=[] if st.finished else part.failed_blocks,
             since=st.staging_since,
         )
 
