@@ -509,12 +509,17 @@ def test_async_asked_again_before_allocation_gives_the_same_answer_and_stages_on
     promotions = sim.cat.stats()[MEMORY]["promotions"]
     # vLLM could not allocate the blocks this step: it asks again at the next one.
     assert sim.s.get_num_new_matched_tokens(req, 0) == (2 * CHUNK, True)
-    sim.admit(req, 2 * CHUNK)
+    # ... and once more after its own cache came to hold the first chunk: the rest is loaded.
+    assert sim.s.get_num_new_matched_tokens(req, CHUNK) == (CHUNK, True)
+    sim.admit(req, CHUNK)
     parts = parts_until_last(sim)
-    assert len({c.lk for p in parts for c in p.chunks}) == 2
+    sent = [c for p in parts for c in p.chunks]
+    assert [c.lk for c in sent] == sim.cat.keys(tokens)[1:2] and sent[0].first == 0
     assert sim.cat.stats()[MEMORY]["promotions"] - promotions <= 2
     assert sim.counters()["lookups"] - lookups == 1
+    assert sim.pinned() == 1  # the first chunk's pin was let go when it turned out not to be needed
     sim.report({parts[0].op_id: (1, 0)})
+    assert sim.counters()["loaded_tokens"] == CHUNK
     req2 = sim.request("c", tokens)
     assert sim.s.get_num_new_matched_tokens(req2, 0) == (2 * CHUNK, False)  # both in memory now
     sim.s.request_finished(req2)

@@ -198,7 +198,8 @@ class HpkvScheduler:
             return 0, False
         if st.async_hit and not st.async_op:  # asked again before vLLM could allocate: same answer
             if st.async_hit > num_computed:
-                return st.async_hit - num_computed, True
+                st.load_start, st.load_tokens = num_computed, st.async_hit - num_computed
+                return st.load_tokens, True
             self._end_async(st)
             return 0, False
         C = self.chunk_size
