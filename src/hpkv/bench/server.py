@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ class Server:
     vllm_args: list[str] = field(default_factory=list)
     python: str = sys.executable  # the interpreter vLLM runs under (a peer's environment)
     proc: subprocess.Popen[bytes] | None = None
+    start_offset: int = field(default=0, repr=False)  # where this start's lines begin in the log
 
     def command(self) -> list[str]:
         cmd = vllm_command(
@@ -56,6 +58,7 @@ class Server:
 
     def start(self, timeout: float = 400.0) -> None:
         with open(self.log_path, "ab") as log:
+            self.start_offset = log.tell()
             self.proc = subprocess.Popen(
                 self.command(),
                 env=serve_env(self.env),
@@ -68,7 +71,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise ServerError(
                     f"vLLM exited with {self.proc.returncode} while starting; "
-                    f"see {self.log_path}:\n{self.log_tail()}"
+                    f"see {self.log_path}:\n{self.start_errors()}{self.log_tail()}"
                 )
             try:
                 status, _ = self.request("GET", "/v1/models", timeout=2)
@@ -87,6 +90,24 @@ class Server:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def start_errors(self, n: int = 6) -> str:
+        """The first error lines this start wrote: vLLM's own last line only says "see root cause above",
+        and a traceback's tail hides that cause (a memory check, a bad argument, a connector's error)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self.start_offset)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        found: list[str] = []
+        for line in lines:
+            if re.search(r"\b\w*(Error|Exception)\b:", line) and "Engine core initialization failed" not in line:
+                if line not in found:
+                    found.append(line)
+            if len(found) == n:
+                break
+        return "".join(f"first error: {line}\n" for line in found)
 
     def log_tail(self, n: int = 40) -> str:
         try:
