@@ -14,7 +14,7 @@ import pytest
 
 from hpkv.bench.server import Server, ServerError
 
-CAUSE = "ValueError: Free memory on device (10.2/139.8 GiB) on startup is less than desired GPU memory utilization"
+CAUSE = "ValueError: Free memory on device (10.2/139.8 GiB) on startup is less than desired"
 
 
 def _failing_python(tmp_path, lines: list[str]) -> str:
@@ -28,12 +28,15 @@ def _failing_python(tmp_path, lines: list[str]) -> str:
 def test_a_failed_start_names_the_first_error_of_that_start(tmp_path) -> None:
     log = tmp_path / "vllm.log"
     log.write_text("ValueError: from an earlier start, already handled\n")
-    noise = [f"(APIServer pid=1)   File \"x.py\", line {i}, in f" for i in range(60)]
+    noise = [f'(APIServer pid=1)   File "x.py", line {i}, in f' for i in range(60)]
     python = _failing_python(
         tmp_path,
-        ["(EngineCore pid=2) ERROR starting", f"(EngineCore pid=2) {CAUSE}"]
-        + noise
-        + ["(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above."],
+        [
+            "(EngineCore pid=2) ERROR starting",
+            f"(EngineCore pid=2) {CAUSE}",
+            *noise,
+            "(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above.",
+        ],
     )
     server = Server(model="m", port=1, env=dict(os.environ), log_path=str(log), python=python)
     with pytest.raises(ServerError) as err:

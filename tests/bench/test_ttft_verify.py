@@ -155,3 +155,54 @@ def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
         for r in (lw, none):
             shutil.rmtree(r.shm, ignore_errors=True)
             shutil.rmtree(r.work, ignore_errors=True)
+
+
+def _load_line(tokens: int, gbps: float, what: str) -> str:
+    """One line in the format of worker._log_load, as the H200 logged it."""
+    return (
+        f"(EngineCore pid=1828) INFO 12-02 20:59:21 [hpkv] hpkv: Retrieved {tokens} out of {tokens} "
+        f"required tokens (from 8192 total tokens). size: 0.4697 gb, cost 9.4983 ms, "
+        f"throughput: {gbps} GB/s ({what})\n"
+    )
+
+
+LOG = (
+    _load_line(63, 2.2355, "memory: 1 chunks")
+    + _load_line(8191, 49.4516, "memory: 32 chunks")
+    + _load_line(8191, 47.9389, "storage: 32 chunks; async, 41.0 ms from the lookup to now")
+    + _load_line(8191, 34.0897, "memory: 32 chunks")
+)
+
+
+def test_load_rates_are_the_whole_loads_logged_after_an_offset(tmp_path) -> None:
+    """The rates come from the worker's own line (the format of worker._log_load, as the H200 logged
+    it): whole loads only (not the GPU-hit row's partial block), not async spans, after ``since``."""
+    from hpkv.bench.server import Server
+
+    log = tmp_path / "vllm.log"
+    log.write_text(_load_line(8191, 52.0, "memory: 32 chunks"))
+    since = log.stat().st_size
+    with open(log, "a") as f:
+        f.write(LOG)
+    server = Server(model="m", port=1, env={}, log_path=str(log))
+    assert server.load_rates(since, 4096) == [49.4516, 34.0897]
+    assert server.load_rates(0, 4096) == [52.0, 49.4516, 34.0897]
+    assert server.load_rates(since, 1) == [2.2355, 49.4516, 34.0897]
+
+
+def test_copy_lines_set_each_hit_rows_loads_against_the_memory_reference(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    gpu = _row("gpu", [0.050, 0.055, 0.060])
+    mem = Row("memory", [0.052, 0.056, 0.061], True, "proof", copies=[49.5, 50.0, 34.1, 49.0])
+    sto = Row("storage", [0.08, 0.09, 0.085], True, "proof", copies=[48.0, 48.5])
+    x = System("hpkv", rows=[_row("prefill", [0.2] * 3), gpu, mem, sto])
+    x.refs = {"memory": ("pinned host-to-GPU copy", 55.0), "storage": ("raw read", 20.0)}
+    print_system(x, 448 << 20, False)
+    out = capsys.readouterr().out
+    memory = next(ln for ln in out.splitlines() if ln.strip().startswith("memory") and "GB/s median" in ln)
+    storage = next(ln for ln in out.splitlines() if ln.strip().startswith("storage") and "GB/s median" in ln)
+    assert "49.25 GB/s median" in memory and "min 34.10" in memory and "4 loads" in memory
+    assert "= 0.90x pinned host-to-GPU copy (55.00 GB/s)" in memory
+    assert "48.25 GB/s median" in storage and "= 0.88x pinned host-to-GPU copy" in storage
+    assert "the copy lines below" in out  # the memory row is unresolved and says where its rate is

@@ -41,6 +41,11 @@ def test_every_scenario_is_proven_and_reported(demo_model: str, tmp_path: Any, c
     assert set(hp["refs"]) == {"memory", "storage", "storage-cold", "valkey"}
     assert all(r["gbps"] > 0 for r in hp["refs"].values()), hp["refs"]
     assert len(res["requests"]) == 7 * 2
+    # Each hit row carries its loads' own copy rates, one per prompt, from the worker's log line.
+    for name in ("memory", "storage", "storage-cold", "mixed", "valkey"):
+        assert len(rows[name]["copies"]) == 2 and all(g > 0 for g in rows[name]["copies"]), rows[name]
+    assert rows["prefill"]["copies"] == [] and rows["gpu"]["copies"] == []
+    assert "copies, each load's own time" in text
     assert os.path.getsize(os.path.join(out_png := str(tmp_path / "ttft" / "ttft.png"))) > 1000, out_png
     assert "INVALID" not in text and "x ref" in text
 

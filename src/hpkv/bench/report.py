@@ -67,7 +67,9 @@ def print_system(x: System, kv_bytes: int, label: bool) -> None:
         print(
             "unresolved: the 95% interval of the difference between the row's median and the GPU-hit "
             "row's (bootstrap) reaches zero, so their difference is noise and no load rate is claimed; "
-            "more --prompts narrow it (about as 1/sqrt(prompts))"
+            "more --prompts narrow it (about as 1/sqrt(prompts)); on a GPU a memory load's copy also "
+            "overlaps the step's own launch work, so the TTFT may never show it: the copy lines below "
+            "give the load's own rate"
         )
     elif any(r.scenario in HITS for r in x.rows):
         print(
@@ -80,8 +82,29 @@ def print_system(x: System, kv_bytes: int, label: bool) -> None:
             "measured (the GPU-hit row also computes the last block), or the medians' difference is "
             "within the spread"
         )
+    print_copies(x)
     for s, why in x.skipped:
         print(f"{s:12} skipped: {why}")
+
+
+def print_copies(x: System) -> None:
+    """The loads' own copy rate per hit row, from hpkv's per-load log line (CUDA events on a GPU),
+    against the memory reference (pinned host-to-GPU on a GPU). A TTFT difference cannot give it
+    there: the copy overlaps the step's own launch work, so hit minus GPU hit can be less than the
+    copy takes."""
+    rows = [r for r in x.rows if r.copies and r.valid]
+    if not rows:
+        return
+    ref = x.refs.get("memory", ("", 0.0))
+    print(f"copies, each load's own time ({len(rows[0].copies)} loads a row; the worker's log line):")
+    for r in rows:
+        med = statistics.median(r.copies)
+        q = statistics.quantiles(r.copies, n=4) if len(r.copies) > 1 else [med, med, med]
+        line = f"  {r.scenario:10} {med:6.2f} GB/s median (middle half {q[0]:.2f}-{q[2]:.2f}, "
+        line += f"min {min(r.copies):.2f}, {len(r.copies)} loads)"
+        if ref[1] > 0:
+            line += f" = {med / ref[1]:.2f}x {ref[0]} ({ref[1]:.2f} GB/s)"
+        print(line)
 
 
 BOOTSTRAP = 4000  # resamples; seeded, so a report is the same every time it is printed

@@ -20,6 +20,9 @@ from hpkv.core.procs import stop_group
 from hpkv.integrations.vllm.launch import serve_env, vllm_command
 from hpkv.integrations.vllm.statsfile import read_all
 
+# The worker's per-load line (integrations/vllm/worker.py, _log_load).
+LOAD_LINE = re.compile(r"hpkv: Retrieved (\d+) out of .*? throughput: ([\d.]+) GB/s \(([^)]*)\)")
+
 
 class ServerError(RuntimeError):
     pass
@@ -102,12 +105,33 @@ class Server:
             return ""
         found: list[str] = []
         for line in lines:
-            if re.search(r"\b\w*(Error|Exception)\b:", line) and "Engine core initialization failed" not in line:
-                if line not in found:
-                    found.append(line)
+            cause = re.search(r"\b\w*(Error|Exception)\b:", line)
+            if cause and "Engine core initialization failed" not in line and line not in found:
+                found.append(line)
             if len(found) == n:
                 break
         return "".join(f"first error: {line}\n" for line in found)
+
+    def log_size(self) -> int:
+        try:
+            return os.path.getsize(self.log_path)
+        except OSError:
+            return 0
+
+    def load_rates(self, since: int, min_tokens: int) -> list[float]:
+        """GB/s of each of hpkv's loads of at least ``min_tokens`` tokens logged after byte ``since``:
+        the copies' own time (CUDA events on a GPU, the copy loop's clock on CPU), not a TTFT."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return [
+            float(m.group(2))
+            for m in LOAD_LINE.finditer(text)
+            if int(m.group(1)) >= min_tokens and "async" not in m.group(3)
+        ]
 
     def log_tail(self, n: int = 40) -> str:
         try:

@@ -98,6 +98,7 @@ def run_scenario(
     before = server.settled_stats() if hpkv else {}
     engine0 = server.engine_counters()
     hits0 = keyspace() if keyspace else 0
+    log0 = server.log_size()
     ttfts = []
     for i, p in enumerate(prompts):
         t, resp = server.complete(p, max_tokens=1)
@@ -130,7 +131,9 @@ def run_scenario(
         ok, proof = verify_hpkv(name, d, replace(expect, ranks=int(after.get("ranks", 1))))
     else:
         ok, proof = verify_engine(name, d, expect, where)
-    return Row(name, ttfts, ok, proof if ok else f"INVALID: {proof}", d)
+    # The copies' own rate, per load (a hit's loads only: the GPU-hit row's partial blocks are not one).
+    copies = server.load_rates(log0, expect.tokens // 2) if hpkv and name in HITS else []
+    return Row(name, ttfts, ok, proof if ok else f"INVALID: {proof}", d, copies)
 
 
 def random_prompts(model: str, n: int, tokens: int) -> list[str]:

@@ -23,6 +23,7 @@ class Row:
     valid: bool
     proof: str
     deltas: dict[str, int] = field(default_factory=dict)
+    copies: list[float] = field(default_factory=list)  # GB/s of each whole load, from hpkv's log
 
     @property
     def mean(self) -> float:
