@@ -84,3 +84,51 @@ def test_writes_that_pin_half_the_pool_go_out_under_sustained_load(shm_dir: str,
         cat.check()
     finally:
         cat.close()
+
+
+def test_with_async_scheduling_an_answered_step_does_not_make_the_engine_idle(
+    shm_dir: str, storage_dir: str
+) -> None:
+    """vLLM's async scheduling (its default) schedules step 2 before step 1's output is back, and
+    after step 2 a step with nothing to compute: step 1's output must not release the writes
+    while step 2 computes (on vLLM-CPU they took the cores from its prefill)."""
+    cat = make(shm_dir, storage_dir)
+    try:
+        lk = cat.keys(list(range(CHUNK)))[0]
+        cat.step_scheduled(True)  # step 1: the prompt's first 2048 tokens
+        cat.step_scheduled(True)  # step 2, scheduled while step 1 runs
+        assert cat.commit(lk, store(cat, lk))
+        cat.step_done()  # step 1 answered; step 2 still computes
+        cat.step_scheduled(False)  # nothing more to schedule until step 2's token
+        time.sleep(0.3)
+        assert not cat.in_storage(lk)  # held back
+        cat.step_done()  # step 2 answered
+        cat.step_done()  # the empty step too
+        deadline = time.monotonic() + 5
+        while not cat.in_storage(lk) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cat.in_storage(lk)  # written once nothing computes
+    finally:
+        cat.close()
+
+
+def test_steps_never_answered_are_forgotten_past_the_batch_queue(shm_dir: str, storage_dir: str) -> None:
+    """An output that never comes (a path of vLLM's without a connector output) must not hold
+    write-behind back for good: past STEPS_IN_FLIGHT_MAX scheduled steps the oldest are dropped."""
+    from hpkv.engine.cascade import STEPS_IN_FLIGHT_MAX
+
+    cat = make(shm_dir, storage_dir)
+    try:
+        lk = cat.keys(list(range(CHUNK)))[0]
+        cat.step_scheduled(True)  # never answered
+        assert cat.commit(lk, store(cat, lk))
+        for _ in range(STEPS_IN_FLIGHT_MAX):
+            cat.step_scheduled(False)  # idle steps, answered below
+        for _ in range(STEPS_IN_FLIGHT_MAX - 1):
+            cat.step_done()
+        deadline = time.monotonic() + 5
+        while not cat.in_storage(lk) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cat.in_storage(lk)
+    finally:
+        cat.close()

@@ -13,6 +13,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 from hpkv.core.procs import background_priority, name_os_thread
@@ -23,8 +24,16 @@ log = logging.getLogger(__name__)
 # The thread's nice value (Linux: per thread): its CFS weight is ~1/10 of the model's threads.
 CASCADE_NICE = 10
 # With defer: how long the engine must have been idle before a write, and how long a step may hold it back.
-CASCADE_IDLE_S = 0.01
+# (50 ms: longer than the gap between one request's last step and the next request's first in a
+# closed loop, where a write started in that gap took the CPU from the next request's tokenization.)
+CASCADE_IDLE_S = 0.05
 CASCADE_DEFER_MAX_S = 5.0
+# The longest a deferred writer sleeps without being woken (it is woken on every change that matters;
+# on two cores a poll every few ms took CPU from the model's threads at each wake-up).
+CASCADE_RECHECK_S = 0.5
+# Steps a vLLM engine can have scheduled and not yet answered (its batch queue: 2 with async
+# scheduling, the pipeline depth + 1 at most); beyond it the oldest is taken as answered.
+STEPS_IN_FLIGHT_MAX = 8
 
 # What a write is made from: a pool slot (every rank's pool), or one rank's private sealed record.
 Source = int | bytearray
@@ -57,8 +66,11 @@ class Cascade:
         self._defer = defer
         self._pressure = pressure
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # a change that may let a deferred write go
+        self._changes = 0
         self._busy = False
         self._busy_since = self._idle_since = 0.0
+        self._steps: deque[bool] = deque(maxlen=STEPS_IN_FLIGHT_MAX)  # scheduled, not answered
         self._urgent = 0  # flushes waiting: write at once
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="hpkv-cascade", daemon=True)
@@ -78,9 +90,12 @@ class Cascade:
         if not self._off:
             try:
                 self._q.put_nowait((lk, source, tenant))
-                return True
             except queue.Full:
                 pass
+            else:
+                if self._defer:
+                    self._changed()  # the queue's length and the pool's pins count
+                return True
         if isinstance(source, int):
             self._unpin(source)
         for i in range(self._ranks):
@@ -96,12 +111,39 @@ class Cascade:
         CASCADE_DEFER_MAX_S: where tier work and the model share
         the CPU, write-behind then costs a prefill little; under sustained load it still runs (and
         a full queue still drops)."""
+        if busy == self._busy:
+            return
         now = time.monotonic()
-        if busy and not self._busy:
+        if busy:
             self._busy_since = now
-        elif not busy and self._busy:
+        else:
             self._idle_since = now
         self._busy = busy
+        if self._defer:
+            self._changed()
+
+    def _changed(self) -> None:
+        with self._wake:
+            self._changes += 1
+            self._wake.notify_all()
+
+    def step_scheduled(self, computes: bool) -> None:
+        """The engine scheduled a step (``computes``: it has tokens to compute). With vLLM's async
+        scheduling the next step is scheduled before the previous one's output is back, so one
+        step's output does not make the engine idle: it is busy while any step it scheduled that
+        computes has not been answered (:meth:`step_done`, in the same order)."""
+        self._steps.append(computes)
+        self.engine_busy(any(self._steps))
+
+    def step_done(self) -> None:
+        """The oldest scheduled step's output is back."""
+        if self._steps:
+            self._steps.popleft()
+        self.engine_busy(any(self._steps))
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
 
     def pending(self) -> int:
         return self._q.qsize()
@@ -109,8 +151,10 @@ class Cascade:
     def flush(self) -> None:
         """Block until every write queued before this call is done or dropped (without waiting for
         idle time)."""
-        with self._lock:
+        with self._wake:
             self._urgent += 1
+            self._changes += 1
+            self._wake.notify_all()
         try:
             self._q.join()
         finally:
@@ -135,6 +179,23 @@ class Cascade:
             return now - self._busy_since > CASCADE_DEFER_MAX_S
         return now - self._idle_since >= CASCADE_IDLE_S
 
+    def _wait_for_turn(self) -> None:
+        """Sleep until a deferred write may go: woken by each change (:meth:`_changed`), else when the
+        idle or busy time it waits for has passed (never by polling)."""
+        while True:
+            with self._wake:
+                seen = self._changes
+            if self._may_write():  # outside the lock: ``pressure`` asks the pool
+                return
+            now = time.monotonic()
+            if self._busy:
+                left = self._busy_since + CASCADE_DEFER_MAX_S - now
+            else:
+                left = self._idle_since + CASCADE_IDLE_S - now
+            with self._wake:
+                if self._changes == seen:
+                    self._wake.wait(min(max(left, 0.001), CASCADE_RECHECK_S))
+
     def _run(self) -> None:
         # Write-behind is never urgent: where it shares cores with the model (vLLM's CPU build),
         # it must take the CPU only when the model does not need it.
@@ -146,8 +207,7 @@ class Cascade:
                 if item is None:
                     return
                 lk, source, tenant = item
-                while not self._may_write():
-                    time.sleep(0.005)
+                self._wait_for_turn()
                 for i in range(self._ranks):
                     rec = self._slot_record(i, source) if isinstance(source, int) else memoryview(source)
                     rk = self._record_key(i, lk)

@@ -482,6 +482,19 @@ class Catalog:
         """The engine started (True) or finished (False) a computing step (see :class:`Cascade`)."""
         self._cascade.engine_busy(busy)
 
+    def step_scheduled(self, computes: bool) -> None:
+        """The engine scheduled a step, computing or not (see :meth:`Cascade.step_scheduled`)."""
+        self._cascade.step_scheduled(computes)
+
+    def step_done(self) -> None:
+        """The oldest scheduled step's output is back."""
+        self._cascade.step_done()
+
+    @property
+    def engine_busy_now(self) -> bool:
+        """Whether the engine computes a step now, as announced."""
+        return self._cascade.busy
+
     def _slot_record(self, i: int, slot: int) -> memoryview:
         off = slot * self.slot_bytes
         return self.pools[i].view[off : off + self.record_bytes]

@@ -41,6 +41,7 @@ STAGE_GIVE_UP_S = 30.0
 # at most this long; no request is running to delay (one that arrives meanwhile waits at most this).
 IDLE_WAIT_S = 0.02
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
+STATS_REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
 PENDING_OPS_MAX_S = 60.0
 POOL_FULL_LOG_S = 30.0  # at most one "pool full, chunks not stored" warning per this many seconds
 
@@ -325,7 +326,7 @@ class HpkvScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
         meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
-        self.catalog.engine_busy(so.total_num_scheduled_tokens > 0)
+        self.catalog.step_scheduled(so.total_num_scheduled_tokens > 0)
         if so.total_num_scheduled_tokens == 0:
             self._idle_wait()
         for new in so.scheduled_new_reqs:
@@ -467,7 +468,7 @@ class HpkvScheduler:
         return op_id
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.catalog.engine_busy(False)  # the step is done
+        self.catalog.step_done()  # the oldest step in flight (async scheduling: not the last one)
         wm = output.kv_connector_worker_meta
         if not isinstance(wm, HpkvWorkerMeta):
             return
@@ -580,7 +581,11 @@ class HpkvScheduler:
 
     def _refresh_stats(self) -> None:
         name_os_thread()
+        last = 0.0
         while not self._stop.wait(STATS_REFRESH_S):
+            if self.catalog.engine_busy_now and time.monotonic() - last < STATS_REFRESH_BUSY_S:
+                continue  # gathering the counters takes CPU from the step; once idle, at once
+            last = time.monotonic()
             try:
                 self._write_stats()
             except Exception:  # a full disk must not kill the thread; the next try may work
