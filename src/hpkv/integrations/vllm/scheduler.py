@@ -140,7 +140,7 @@ class HpkvScheduler:
         self._pool_full_logged = 0.0
         self._pool_full_since_log = 0
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
-        self._write_stats(force=True)
+        self.stats_file.write(self.stats, force=True)
         # Background tier work (cascade writes, promotions) changes counters between steps.
         self._stop = threading.Event()
         self._refresher = threading.Thread(target=self._refresh_stats, name="hpkv-stats", daemon=True)
@@ -348,7 +348,7 @@ class HpkvScheduler:
             part = self._async_part(req_id, st)
             if part is not None:
                 meta.loads.append(part)
-        self._write_stats()
+        self.stats_file.write(self.stats)
         return meta
 
     def _async_part(self, req_id: str, st: _Req) -> LoadRequest | None:
@@ -506,7 +506,7 @@ class HpkvScheduler:
                     nbytes = len(op.slots) * self.catalog.payload_bytes * self.world_size
                     self.catalog.count_load(len(op.slots), nbytes)
                     self._counters["loaded_tokens"] += op.tokens
-        self._write_stats()
+        self.stats_file.write(self.stats)
 
     def has_pending_ops(self) -> bool:
         """Loads or stores the workers have not reported yet (the engine keeps stepping for them).
@@ -528,13 +528,13 @@ class HpkvScheduler:
                     self._unprotect(st)
             else:
                 self._end_async(st)
-        self._write_stats()
+        self.stats_file.write(self.stats)
         return delay
 
     def reset_cache(self) -> bool:
         """``POST /reset_prefix_cache?reset_external=true``: drop the memory pool's chunks."""
         self.catalog.clear((MEMORY,))
-        self._write_stats(force=True)
+        self.stats_file.write(self.stats, force=True)
         log.info("hpkv: memory pool cleared (reset_external)")
         return True
 
@@ -576,9 +576,6 @@ class HpkvScheduler:
             "ranks": self.world_size,
         }
 
-    def _write_stats(self, force: bool = False) -> None:
-        self.stats_file.write(self.stats, force=force)
-
     def _refresh_stats(self) -> None:
         name_os_thread()
         last = 0.0
@@ -587,13 +584,13 @@ class HpkvScheduler:
                 continue  # gathering the counters takes CPU from the step; once idle, at once
             last = time.monotonic()
             try:
-                self._write_stats()
+                self.stats_file.write(self.stats)
             except Exception:  # a full disk must not kill the thread; the next try may work
                 log.debug("hpkv: stats file write failed", exc_info=True)
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._write_stats(force=True)
+        self.stats_file.write(self.stats, force=True)
         self.catalog.close()
         self.stats_file.remove()
 
