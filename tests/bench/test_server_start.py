@@ -2,7 +2,8 @@
 
 vLLM's API server ends with "Engine core initialization failed. See root cause above", and the
 traceback after the cause can be longer than the tail we print. A real vLLM cannot be made to fail on
-demand with a known cause, so the interpreter is a script that writes such a log and exits 1.
+demand with a known cause, so the interpreter is a script that writes such a log (in vLLM's line
+format) and exits 1.
 """
 
 from __future__ import annotations
@@ -25,25 +26,25 @@ def _failing_python(tmp_path, lines: list[str]) -> str:
     return str(script)
 
 
-def test_a_failed_start_names_the_first_error_of_that_start(tmp_path) -> None:
+def test_a_failed_start_names_the_root_cause_of_that_start(tmp_path) -> None:
     log = tmp_path / "vllm.log"
     log.write_text("ValueError: from an earlier start, already handled\n")
     noise = [f'(APIServer pid=1)   File "x.py", line {i}, in f' for i in range(60)]
     python = _failing_python(
         tmp_path,
         [
-            "(EngineCore pid=2) ERROR starting",
-            f"(EngineCore pid=2) {CAUSE}",
+            "(EngineCore pid=2) ERROR 12-02 22:18:09 [core.py:1510] EngineCore failed to start.",
+            f"(EngineCore pid=2) ERROR 12-02 22:18:09 [core.py:1510] {CAUSE}",
             *noise,
-            "(APIServer pid=1) RuntimeError: Engine core initialization failed. See root cause above.",
+            "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}",
         ],
     )
     server = Server(model="m", port=1, env=dict(os.environ), log_path=str(log), python=python)
     with pytest.raises(ServerError) as err:
         server.start(timeout=30)
     message = str(err.value)
-    assert f"first error: (EngineCore pid=2) {CAUSE}" in message
+    assert f"root cause: {CAUSE}" in message
     assert "earlier start" not in message
-    assert "first error: (APIServer pid=1) RuntimeError" not in message
-    # The cause is not in the tail: without the first-error lines the message would not show it.
+    assert "root cause: RuntimeError" not in message
+    # The cause is not in the tail: without the root-cause line the message would not show it.
     assert CAUSE not in server.log_tail()

@@ -79,7 +79,7 @@ def test_peer_rows_from_vllm_counters() -> None:
 
 
 def test_a_failed_start_is_reported_by_its_root_cause() -> None:
-    from hpkv.bench.report import first_error as _first_error
+    from hpkv.bench.server import first_error as _first_error
 
     log = "\n".join(
         [

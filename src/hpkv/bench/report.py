@@ -4,27 +4,9 @@ root cause of a system that could not start."""
 from __future__ import annotations
 
 import random
-import re
 import statistics
 
 from hpkv.bench.verify import HITS, SCENARIOS, Row, System
-
-
-def first_error(text: str) -> str:
-    """The root cause in a failed start's log tail: the first ``SomeError: message`` line (an
-    exception as Python prints it), else the first line that mentions an error."""
-
-    lines = [ln.strip() for ln in text.splitlines()]
-    # A traceback's last line, alone or after a log line's "ERROR ... [file.py:N] " prefix.
-    exc = re.compile(r"^(?:.*\bERROR\b.*?\] )?([\w.]*(?:Error|Exception): .+)$")
-    found = [m.group(1) for ln in lines if (m := exc.match(ln))]
-    # vLLM re-raises a worker's failure as "... See root cause above": prefer the cause itself.
-    for msg in sorted(found, key=lambda m: "root cause above" in m):
-        return msg[:300]
-    for ln in lines:
-        if "error" in ln.lower():
-            return ln[-300:]
-    return lines[0][-300:] if text.strip() else "unknown error"
 
 
 def print_system(x: System, kv_bytes: int, label: bool) -> None:

@@ -28,6 +28,23 @@ class ServerError(RuntimeError):
     pass
 
 
+def first_error(text: str) -> str:
+    """The root cause in a failed start's log tail: the first ``SomeError: message`` line (an
+    exception as Python prints it), else the first line that mentions an error."""
+
+    lines = [ln.strip() for ln in text.splitlines()]
+    # A traceback's last line, alone or after a log line's "ERROR ... [file.py:N] " prefix.
+    exc = re.compile(r"^(?:.*\bERROR\b.*?\] )?([\w.]*(?:Error|Exception): .+)$")
+    found = [m.group(1) for ln in lines if (m := exc.match(ln))]
+    # vLLM re-raises a worker's failure as "... See root cause above": prefer the cause itself.
+    for msg in sorted(found, key=lambda m: "root cause above" in m):
+        return msg[:300]
+    for ln in lines:
+        if "error" in ln.lower():
+            return ln[-300:]
+    return lines[0][-300:] if text.strip() else "unknown error"
+
+
 @dataclass
 class Server:
     model: str
@@ -74,7 +91,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise ServerError(
                     f"vLLM exited with {self.proc.returncode} while starting; "
-                    f"see {self.log_path}:\n{self.start_errors()}{self.log_tail()}"
+                    f"see {self.log_path}:\nroot cause: {first_error(self.log_since(self.start_offset))}\n"
+                    f"{self.log_tail()}"
                 )
             try:
                 status, _ = self.request("GET", "/v1/models", timeout=2)
@@ -94,39 +112,25 @@ class Server:
         self.stop()
         self.start()
 
-    def start_errors(self, n: int = 6) -> str:
-        """The first error lines this start wrote: vLLM's own last line only says "see root cause above",
-        and a traceback's tail hides that cause (a memory check, a bad argument, a connector's error)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self.start_offset)
-                lines = f.read().decode(errors="replace").splitlines()
-        except OSError:
-            return ""
-        found: list[str] = []
-        for line in lines:
-            cause = re.search(r"\b\w*(Error|Exception)\b:", line)
-            if cause and "Engine core initialization failed" not in line and line not in found:
-                found.append(line)
-            if len(found) == n:
-                break
-        return "".join(f"first error: {line}\n" for line in found)
-
     def log_size(self) -> int:
         try:
             return os.path.getsize(self.log_path)
         except OSError:
             return 0
 
+    def log_since(self, offset: int) -> str:
+        """What the server logged after byte ``offset`` ("" if the log cannot be read)."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def load_rates(self, since: int, min_tokens: int) -> list[float]:
         """GB/s of each of hpkv's loads of at least ``min_tokens`` tokens logged after byte ``since``:
         the copies' own time (CUDA events on a GPU, the copy loop's clock on CPU), not a TTFT."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(since)
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return []
+        text = self.log_since(since)
         return [
             float(m.group(2))
             for m in LOAD_LINE.finditer(text)

@@ -58,8 +58,8 @@ from typing import Any
 
 from hpkv.bench.demo_model import SIZES
 from hpkv.bench.refs import drop_page_cache, memory_reference, raw_glide_gbps, raw_read_gbps
-from hpkv.bench.report import chart, first_error, kv_bytes_per_prompt, print_comparison, print_system
-from hpkv.bench.server import Server, ServerError
+from hpkv.bench.report import chart, kv_bytes_per_prompt, print_comparison, print_system
+from hpkv.bench.server import Server, ServerError, first_error
 from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, hpkv_deltas, verify_engine, verify_hpkv
 
 CHUNK = 256
