@@ -6,7 +6,8 @@
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 ARGS=("$@")
 [ ${#ARGS[@]} -gt 0 ] || ARGS=(--compare hpkv,hpkv-async --scenarios prefill,gpu,memory,storage,valkey --pool-size 8G)
-timeout 580 python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="--enforce-eager" "${ARGS[@]}" \
+# TTFT_VLLM_ARGS="" runs with CUDA graphs (vLLM's default); eager otherwise.
+timeout 580 python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="${TTFT_VLLM_ARGS---enforce-eager}" "${ARGS[@]}" \
   --out $OUT/ttft > $OUT/ttft.log 2>&1
 echo "rc=$?"
 grep -h "Retrieved\|async load of\|staged" $OUT/ttft/*.log 2>/dev/null | tail -30

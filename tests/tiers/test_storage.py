@@ -181,9 +181,16 @@ def test_unwritable_root_is_a_config_error(tmp_path: object) -> None:
         tier(os.path.join(blocker, "storage"))
 
 
-def test_reads_come_from_the_page_cache_when_cached_else_direct(storage_dir: str) -> None:
-    """Exact bytes whether the file is cached, dropped from the page cache, or cached in part."""
+@pytest.mark.parametrize("ask", ["cachestat", "mincore"])
+def test_reads_come_from_the_page_cache_when_cached_else_direct(
+    storage_dir: str, ask: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exact bytes whether the file is cached, dropped from the page cache, or cached in part; the
+    page cache asked through cachestat (where the kernel has it) and through mincore."""
+    from hpkv.tiers.disk import io
     from hpkv.tiers.disk.io import PAGE, Reader, _all_cached
+
+    monkeypatch.setattr(io, "_cachestat_works", ask == "cachestat")
 
     size = 64 * PAGE + 123  # not a whole number of pages
     data = os.urandom(size)
@@ -214,6 +221,11 @@ def test_reads_come_from_the_page_cache_when_cached_else_direct(storage_dir: str
             assert not _all_cached(fd, size)  # O_DIRECT left the page cache alone
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.pread(fd, 3 * PAGE + 17, 0)  # some pages cached again, maybe not all
+        pages = -(-size // PAGE)
+        # whichever call asked, the same answer as a page-by-page look
+        assert _all_cached(fd, size) == io._mincore_all(io._load_libc(), fd, size, pages)
         assert read() == data
+        if ask == "cachestat" and tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 5):
+            assert io._cachestat_works  # the kernel has it: it was the call that answered
     finally:
         os.close(fd)

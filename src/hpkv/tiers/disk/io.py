@@ -79,8 +79,8 @@ class Reader:
     page cache, where a buffered read runs at memory speed; one that is not
     should come straight from the device without filling the page cache a
     second time (the pool already holds the bytes). So a read first asks the
-    kernel whether every page of the file is cached (``mincore`` on a
-    mapping, which starts no I/O; ``RWF_NOWAIT`` would start readahead) and
+    kernel whether every page of the file is cached (``cachestat``, else
+    ``mincore`` on a mapping: neither starts I/O; ``RWF_NOWAIT`` would start readahead) and
     reads buffered if so, else with O_DIRECT. O_DIRECT needs page-aligned
     buffers and lengths; callers pass buffers from ``mmap`` (the pool's slots
     or scratch buffers), which are page-aligned, of a page-rounded length. If a
@@ -138,11 +138,22 @@ class Reader:
 
 
 _libc: Any = None
+_CACHESTAT = 451  # cachestat(2), Linux 6.5+: one number on every architecture (the unified table)
+_cachestat_works = True  # until a call says the kernel (or a seccomp filter) has no such call
 
 
-def _all_cached(fd: int, size: int) -> bool:
-    """Whether every page of the file's first ``size`` bytes is in the page cache (False when the
-    kernel will not say)."""
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_uint64)
+        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
+    ]
+
+
+def _load_libc() -> Any:
     global _libc
     if _libc is None:
         try:
@@ -158,18 +169,41 @@ def _all_cached(fd: int, size: int) -> bool:
             ]
             _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
             _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            _libc.syscall.restype = ctypes.c_long
         except (OSError, AttributeError):
             _libc = False
-    if not _libc:
+    return _libc
+
+
+def _all_cached(fd: int, size: int) -> bool:
+    """Whether every page of the file's first ``size`` bytes is in the page cache (False when the
+    kernel will not say). Asks ``cachestat`` (one call, about 2 µs for a 14 MiB file) where the
+    kernel has it, else ``mincore`` on a mapping (a lookup per page: 0.3 ms for the same file, a
+    third of the time its read from the page cache takes)."""
+    global _cachestat_works
+    libc = _load_libc()
+    if not libc:
         return False
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    pages = -(-size // PAGE)
+    if _cachestat_works:
+        rng, st = _Range(0, size), _CacheStat()
+        rc = libc.syscall(_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st), 0)
+        if rc == 0:
+            return bool(st.nr_cache >= pages)
+        if ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):
+            return False
+        _cachestat_works = False  # an older kernel, or a seccomp filter: mincore from now on
+    return _mincore_all(libc, fd, size, pages)
+
+
+def _mincore_all(libc: Any, fd: int, size: int, pages: int) -> bool:
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == ctypes.c_void_p(-1).value:
         return False
     try:
-        pages = -(-size // PAGE)
         vec = ctypes.create_string_buffer(pages)
-        if _libc.mincore(addr, size, vec) != 0:
+        if libc.mincore(addr, size, vec) != 0:
             return False
         return b"\x00" not in vec.raw  # bit 0 of each byte: that page is resident
     finally:
-        _libc.munmap(addr, size)
+        libc.munmap(addr, size)
