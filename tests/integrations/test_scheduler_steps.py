@@ -211,6 +211,49 @@ def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest
     assert sim.counters()["lookup_hit_tokens"] == 4 * CHUNK
 
 
+def test_an_empty_step_waits_for_staging_only_with_no_computing_step_out(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's async scheduling schedules the next step before the last one's output is back: an
+    empty step then must not sit waiting for another request's promotions, since the output of the
+    computing step still out is processed on the same thread after it."""
+    from hpkv.integrations.vllm import scheduler as mod
+
+    sim = make_sim()
+    tokens = prompt(4, seed=11)
+    assert sim.cold("a", tokens) == 4
+    sim.s.reset_cache()  # memory emptied; the chunks stay in storage
+    running = sim.request("c", prompt(2, seed=12))
+    assert sim.lookup_settled(running) == 0
+    sim.admit(running, 0)
+    gate = Gate(sim, monkeypatch)
+    req = sim.request("b", tokens)
+    assert sim.lookup(req) is None  # staging, held at its first read
+    assert gate.reading.wait(5)
+    waits: list[int] = []
+    real = mod.wait
+
+    def recorded(fs: Any, **kw: Any) -> Any:
+        waits.append(len(fs))
+        return real(fs, **kw)
+
+    monkeypatch.setattr(mod, "wait", recorded)
+    assert not sim.cat.engine_busy_now
+    computing = sim.step([(running, 0, len(running.prompt_token_ids or []))])
+    assert sim.cat.engine_busy_now
+    sim.step()  # empty, scheduled while the computing step is out
+    assert waits == []
+    sim.report({op: (1, 0) for op in sim.ops(computing)})  # the computing step's output
+    sim.report({})  # the empty step's
+    assert not sim.cat.engine_busy_now
+    sim.step()  # empty with nothing out: waits (at most IDLE_WAIT_S) for b's promotions
+    assert waits == [4]
+    gate.release.set()
+    assert sim.lookup_settled(req) == 4 * CHUNK
+    sim.s.request_finished(req)
+    sim.s.request_finished(running)
+
+
 def test_promotions_never_evict_the_requests_own_chunks(make_sim: Any) -> None:
     # A pool of exactly 6 slots, full: the request's first 2 chunks and 4 chunks of others.
     sim = with_slots(make_sim, 6, storage_io_threads=1)

@@ -37,8 +37,8 @@ log = logging.getLogger("hpkv")
 STAGE_GIVE_UP_S = 30.0
 # A step that scheduled nothing while lookups wait for tier I/O: the engine would spin through empty
 # steps (scheduler and workers polling), taking the CPU from the promotion threads (on 2 cores that
-# made storage and valkey hits 10-50 ms slower). Such a step waits for those lookups' I/O to finish,
-# at most this long; no request is running to delay (one that arrives meanwhile waits at most this).
+# made storage and valkey hits 10-50 ms slower). Such a step waits for those lookups' I/O to finish, at
+# most this long, unless a computing step is still out (async scheduling): its output waits on this thread.
 IDLE_WAIT_S = 0.02
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 STATS_REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
@@ -327,8 +327,8 @@ class HpkvScheduler:
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
         meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
         self.catalog.step_scheduled(so.total_num_scheduled_tokens > 0)
-        if so.total_num_scheduled_tokens == 0:
-            self._idle_wait()
+        if so.total_num_scheduled_tokens == 0 and not self.catalog.engine_busy_now:
+            self._idle_wait()  # not with a computing step in flight: its output waits on this thread
         for new in so.scheduled_new_reqs:
             st = self._seen(new.req_id, new.prompt_token_ids)
             st.block_ids = list(new.block_ids[0])
