@@ -28,6 +28,7 @@ def test_revisits_are_served_by_hpkvs_tiers_with_vllm_alones_texts(
     for r in (hp, none):
         assert r["metrics"]["completed"] == 8 and not r["errors"], r.get("errors")
         assert r["sources"]["prompt"] == 8 * (1024 + 32)
+        assert r["preemptions"] == 0  # read from vLLM's counter (None if absent): one request at a time
     # vLLM alone: the engine (40 blocks = 2560 tokens) evicted each context before its user came back.
     assert none["sources"]["connector"] == 0
     assert none["sources"]["engine_cache"] < 1024

@@ -272,6 +272,7 @@ def one_run(
         run["metrics"] = summarize(result)
         ranks = int(after.get("ranks", 1)) if after is not None else 1
         run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk, ranks)
+        run["preemptions"] = engine.get("num_preemptions")  # None: this vLLM does not export it
         run["ttfts"] = result["ttfts"]
         run["texts"] = result["generated_texts"]
         run["errors"] = [e for e in result["errors"] if e]
@@ -313,7 +314,8 @@ def _print_run(r: dict[str, Any]) -> None:
     m = r["metrics"]
     print(
         f"[{r['system']}, {_level_name(r['level'])}] {m['requests_per_s']:.2f} req/s, "
-        f"TTFT p50/p99 {m['ttft_p50_ms']:.0f}/{m['ttft_p99_ms']:.0f} ms",
+        f"TTFT p50/p99 {m['ttft_p50_ms']:.0f}/{m['ttft_p99_ms']:.0f} ms, "
+        f"{r.get('preemptions', '?')} requests preempted by the engine",
         flush=True,
     )
 

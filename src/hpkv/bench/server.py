@@ -341,6 +341,7 @@ ENGINE_COUNTERS = (
     "prefix_cache_hits",
     "external_prefix_cache_queries",
     "external_prefix_cache_hits",
+    "num_preemptions",  # requests the engine preempted (their KV dropped, to be recomputed or reloaded)
 )
 
 
