@@ -1,4 +1,4 @@
-"""Page-cache read rate into different kinds of destination memory (standard library only).
+"""Page-cache read rate into different kinds of destination memory, and with hpkv's page-cache question.
 
 The storage row of ``bench ttft`` is set against a raw read of hpkv's files into anonymous buffers,
 while hpkv reads into its pool (a shared-memory file). This probe reads the same 32 files of 14 MiB
@@ -6,12 +6,11 @@ while hpkv reads into its pool (a shared-memory file). This probe reads the same
 destination moves the rate (transparent huge pages apply to anonymous memory, to shmem only when
 ``shmem_enabled`` allows)::
 
-    python3 scripts/gpu/probe_read.py [DIR]
+    python3 scripts/gpu/probe_read.py [DIR]      (with hpkv importable: after scripts/gpu/install.sh)
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import statistics
@@ -19,6 +18,8 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+
+from hpkv.tiers.disk import io
 
 FILES, SIZE, ROUNDS = 32, 14 << 20, 7
 
@@ -39,37 +40,15 @@ def _huge() -> str:
         return " ".join(line.split(":")[0] + "=" + line.split()[1] for line in f if "HugePages:" in line)
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-
-
-_libc.syscall.restype = ctypes.c_long
-
-
 def _cachestat(fd: int, size: int) -> bool:
-    """What hpkv's reader asks before each read where the kernel has cachestat (Linux 6.5+)."""
-    rng, st = (ctypes.c_uint64 * 2)(0, size), (ctypes.c_uint64 * 5)()
-    return _libc.syscall(451, ctypes.c_uint(fd), rng, st, 0) == 0 and st[0] >= -(-size // 4096)
+    """hpkv's page-cache question through cachestat (Linux 6.5+)."""
+    io._cachestat_works = True
+    return io._all_cached(fd, size)
 
 
 def _cached(fd: int, size: int) -> bool:
-    """What hpkv's reader asks before each read elsewhere (mincore on a mapping)."""
-    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    try:
-        vec = ctypes.create_string_buffer(-(-size // 4096))
-        return _libc.mincore(addr, size, vec) == 0 and b"\x00" not in vec.raw
-    finally:
-        _libc.munmap(addr, size)
+    """hpkv's page-cache question through mincore on a mapping (its fallback)."""
+    return io._mincore_all(io._load_libc(), fd, size, -(-size // io.PAGE))
 
 
 def _dest(kind: str, shm_dir: str) -> list[memoryview]:
