@@ -540,8 +540,8 @@ class Runner:
 
     def _reference(self, name: str) -> None:
         """The raw rate of the tier the row just proved, on this run's data."""
-        threads = _io_threads()  # hpkv's storage I/O threads, as the server was started with them
         try:
+            threads = _io_threads()  # hpkv's storage I/O threads, as the server was started with them
             if name == "storage":
                 gbps = raw_read_gbps(self._storage_dir(), self.expect.chunks, threads, cold=False)
                 self.out.refs[name] = (
