@@ -1,7 +1,7 @@
 """Write-behind that waits for idle time (vLLM's CPU build: the model and hpkv share the cores).
 
 A real catalog (pool file, storage directory); the engine's steps are announced as the vLLM
-scheduler announces them (``engine_busy``)."""
+scheduler announces them (``step_scheduled`` and ``step_done``)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ def make(shm_dir: str, storage_dir: str, queue: int = 8, pool: str = "4M") -> Ca
 def test_writes_wait_while_the_engine_computes(shm_dir: str, storage_dir: str) -> None:
     cat = make(shm_dir, storage_dir)
     try:
-        cat.engine_busy(True)
+        cat.step_scheduled(True)
         lk = cat.keys(list(range(CHUNK)))[0]
         assert cat.commit(lk, store(cat, lk))
         time.sleep(0.3)
         assert not cat.in_storage(lk)  # held back: a step is running
-        cat.engine_busy(False)
+        cat.step_done()
         deadline = time.monotonic() + 5
         while not cat.in_storage(lk) and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -47,7 +47,7 @@ def test_writes_wait_while_the_engine_computes(shm_dir: str, storage_dir: str) -
 def test_a_half_full_queue_or_a_flush_writes_anyway(shm_dir: str, storage_dir: str) -> None:
     cat = make(shm_dir, storage_dir, queue=4)
     try:
-        cat.engine_busy(True)  # and it stays busy: sustained load
+        cat.step_scheduled(True)  # and it stays busy: sustained load
         lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(3)]
         for lk in lks:
             assert cat.commit(lk, store(cat, lk))
@@ -65,7 +65,7 @@ def test_writes_that_pin_half_the_pool_go_out_under_sustained_load(shm_dir: str,
     cat = make(shm_dir, storage_dir, queue=256, pool="64K")
     try:
         assert 4 <= cat.num_slots < 64, cat.num_slots
-        cat.engine_busy(True)  # the engine never idles
+        cat.step_scheduled(True)  # the engine never idles
         lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(3 * cat.num_slots)]
         stored = 0
         for lk in lks:

@@ -70,7 +70,7 @@ class Catalog:
     ) -> None:
         """``ranks``: the tensor-parallel ranks this process serves (default: all of ``namespace``'s);
         index ``i`` of every per-rank list here is rank ``ranks[i]``. ``defer_cascade``: hold
-        write-behind while the engine computes (see :meth:`engine_busy`). ``adopt_pools``: per
+        write-behind while the engine computes (see :meth:`step_scheduled`). ``adopt_pools``: per
         rank, a pool file another process made for this one (:meth:`ShmPool.adopt`); a rank
         whose file is not there, or not that, gets a pool of its own. ``verify_threads``: threads
         that check what the I/O threads read (0: each I/O thread checks its own reads; default:
@@ -477,10 +477,6 @@ class Catalog:
         del payload  # the buffer must have no exports left when the cascade hands it to a tier
         record.seal(memoryview(buf), self.rank_digests[0], rk, self.payload_bytes)
         return self._cascade.submit(lk, buf, tenant)
-
-    def engine_busy(self, busy: bool) -> None:
-        """The engine started (True) or finished (False) a computing step (see :class:`Cascade`)."""
-        self._cascade.engine_busy(busy)
 
     def step_scheduled(self, computes: bool) -> None:
         """The engine scheduled a step, computing or not (see :meth:`Cascade.step_scheduled`)."""

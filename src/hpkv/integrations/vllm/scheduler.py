@@ -104,7 +104,7 @@ class HpkvScheduler:
         adopt_pools: list[str | None] | None = None,
     ) -> None:
         """``defer_cascade``: the model runs on the CPU, sharing its cores with hpkv's tier work:
-        write-behind waits for idle time (see :meth:`Catalog.engine_busy`). ``adopt_pools``: per
+        write-behind waits for idle time (see :meth:`Catalog.step_scheduled`). ``adopt_pools``: per
         rank, the pool file its worker made at start, if it did (see connector.py)."""
         if config.chunk_size % block_size:
             raise_config(
