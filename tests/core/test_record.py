@@ -100,3 +100,54 @@ def test_a_short_auth_key_is_refused_without_echoing_it() -> None:
     with pytest.raises(HpkvConfigError, match="HPKV_AUTH_KEY is shorter than 16 bytes") as e:
         HpkvConfig.load(env={"HPKV_AUTH_KEY": "hunter2"})
     assert "hunter2" not in str(e.value)
+
+
+def _taken(buf: bytearray, cuts: list[int]) -> record.Digest:
+    """A digest fed ``buf`` in pieces ending at ``cuts`` (then the rest), as a reader hands them over."""
+    d = record.Digest(len(buf) - HEADER_BYTES)
+    view, at = memoryview(buf), 0
+    for cut in [*sorted(set(cuts)), len(buf)]:
+        d.feed(view[at:cut])
+        at = cut
+    return d
+
+
+@pytest.mark.parametrize("auth", [None, b"k" * 32], ids=["xxh3", "mac"])
+@settings(max_examples=150, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=3000), data=st.data())
+def test_a_checksum_taken_piece_by_piece_decides_as_the_whole_record_does(
+    auth: bytes | None, payload: bytes, data: st.DataObject
+) -> None:
+    """Pieces cut anywhere (inside the header, across the MAC's gap, one byte long): the same verdict
+    as hashing the whole record after the read, for the record as written and with one bit flipped."""
+    record.set_auth_key(auth)
+    try:
+        buf = make(payload)
+        cuts = data.draw(st.lists(st.integers(0, len(buf)), max_size=6))
+        mv = memoryview(buf)
+        n, p = len(buf), len(payload)
+        assert record.verify(mv, n, NS, KEY, p, taken=_taken(buf, cuts)) is Verdict.OK
+        pos = data.draw(st.integers(HEADER_BYTES, n - 1))  # a payload byte: only the checksum sees it
+        buf[pos] ^= 1 << data.draw(st.integers(0, 7))
+        assert record.verify(mv, n, NS, KEY, p) is Verdict.BAD_CHECKSUM
+        assert record.verify(mv, n, NS, KEY, p, taken=_taken(buf, cuts)) is Verdict.BAD_CHECKSUM
+        # A digest that did not see exactly the n bytes verified is not used: the record is hashed
+        # again, and the verdict is the whole-record one.
+        short = record.Digest(p)
+        short.feed(mv[: n - 1])
+        assert record.verify(mv, n, NS, KEY, p, taken=short) is record.verify(mv, n, NS, KEY, p)
+    finally:
+        record.set_auth_key(None)
+
+
+def test_a_digest_taken_under_another_key_is_not_trusted() -> None:
+    buf = make(b"payload" * 50)
+    plain = _taken(buf, [100])  # taken with no key
+    record.set_auth_key(b"k" * 32)
+    try:
+        # The reader's key changed after the read began: the record is judged under the key now.
+        assert record.verify(memoryview(buf), len(buf), NS, KEY, len(buf) - HEADER_BYTES, taken=plain) is (
+            Verdict.BAD_HEADER
+        )
+    finally:
+        record.set_auth_key(None)
