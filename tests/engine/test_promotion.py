@@ -5,7 +5,8 @@ Both ways, whatever this machine has. Real pool, real storage files, a real valk
 from __future__ import annotations
 
 import os
-from concurrent.futures import wait
+import time
+from concurrent.futures import Future, wait
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
+from hpkv.engine.reads import Promotion, breakdown
 from tests.conftest import CHUNK, SMALL
 
 VERIFY = pytest.mark.parametrize("verify_threads", [0, 2], ids=["inline", "verify-threads"])
@@ -68,9 +70,17 @@ def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
         cat.clear((MEMORY,))
         bad = cat.storage[0].path(cat.record_key(0, lks[2]))
         flip_payload_byte(bad)
+        since = time.monotonic()
         futures = cat.stage(lks)
         wait(futures, timeout=10)
         assert [f.result() for f in futures] == [True, True, False, True]
+        # Each promotion says when it was taken up, read and settled, in that order; the log line's
+        # breakdown is made of those times.
+        for f in futures:
+            assert isinstance(f, Promotion) and since <= f.began <= f.fetched <= f.settled
+        line = breakdown(futures, since)
+        assert line.startswith(" (first read began at ") and "check and commit" in line
+        assert breakdown([Future()], since) == ""
         for i in (0, 1, 3):
             assert held_bytes(cat, lks[i]) == payloads[i]
         assert not cat.in_memory(lks[2]) and not os.path.exists(bad)

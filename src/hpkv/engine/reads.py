@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import logging
 import mmap
+import statistics
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -34,13 +36,38 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+class Promotion(Future[bool]):
+    """A promotion's future, with when its I/O thread took it up, when its bytes were in the slot
+    and when it settled (``time.monotonic``; 0.0 until then): what a slow hit's log line breaks
+    its wait into (queued, read, checked)."""
+
+    began = fetched = settled = 0.0
+
+
+def breakdown(futures: list[Future[bool]], since: float) -> str:
+    """Where a slow hit's wait went, for its log line: when the first read began and the last
+    chunk was ready (ms after ``since``, the lookup) and, per chunk (median), its read and its
+    check and commit; empty for futures that are not :class:`Promotion` s or did not finish."""
+    done = [f for f in futures if isinstance(f, Promotion) and f.settled and f.fetched]
+    if not done:
+        return ""
+    first = min(f.began for f in done) - since
+    last = max(f.settled for f in done) - since
+    read = statistics.median(f.fetched - f.began for f in done)
+    check = statistics.median(f.settled - f.fetched for f in done)
+    return (
+        f" (first read began at {first * 1e3:.1f} ms, last chunk ready at {last * 1e3:.1f} ms; "
+        f"per chunk, median: read {read * 1e3:.2f} ms, check and commit {check * 1e3:.2f} ms)"
+    )
+
+
 class Reader:
     def __init__(self, cat: Catalog, io_threads: int, verify_threads: int) -> None:
         """``io_threads`` read; ``verify_threads`` check what they read (0: each I/O thread checks
         its own reads)."""
         self._cat = cat
         self._lock = threading.Lock()  # guards _staging
-        self._staging: dict[bytes, Future[bool]] = {}
+        self._staging: dict[bytes, Promotion] = {}
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
         self._verify = (
             ThreadPoolExecutor(verify_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread)
@@ -78,23 +105,25 @@ class Reader:
             with self._lock:
                 fut = self._staging.get(lk)
                 if fut is None:
-                    fut = Future()
+                    fut = Promotion()
                     self._staging[lk] = fut
                     self._io.submit(self._promote, lk, tenant, fut)
             futures.append(fut)
         return futures
 
-    def _promote(self, lk: bytes, tenant: str, fut: Future[bool]) -> None:
+    def _promote(self, lk: bytes, tenant: str, fut: Promotion) -> None:
         """On an I/O thread: every rank's record of ``lk`` into a reserved slot, then on to a
         verify thread (:meth:`_verify_promotion`) that commits it and settles ``fut``."""
         cat = self._cat
         slot: int | None = None
+        fut.began = time.monotonic()
         try:
             slot = cat.reserve()
             if slot is None:
                 self._settle(lk, fut, False)
                 return
             checks = self._fetch_all_ranks(lk, slot, tenant)
+            fut.fetched = time.monotonic()
             if checks is None:
                 cat.abort(slot)
                 self._settle(lk, fut, False)
@@ -110,7 +139,7 @@ class Reader:
             self._settle(lk, fut, False)
 
     def _verify_promotion(
-        self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Future[bool]
+        self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Promotion
     ) -> None:
         ok = False
         try:
@@ -124,9 +153,10 @@ class Reader:
         finally:
             self._settle(lk, fut, ok)
 
-    def _settle(self, lk: bytes, fut: Future[bool], ok: bool) -> None:
+    def _settle(self, lk: bytes, fut: Promotion, ok: bool) -> None:
         with self._lock:
             self._staging.pop(lk, None)
+        fut.settled = time.monotonic()
         fut.set_result(ok)
 
     # -- reads of one chunk ----------------------------------------------------------
