@@ -132,3 +132,26 @@ def test_steps_never_answered_are_forgotten_past_the_batch_queue(shm_dir: str, s
         assert cat.in_storage(lk)
     finally:
         cat.close()
+
+
+def test_an_empty_step_is_never_taken_for_a_computing_one(shm_dir: str, storage_dir: str) -> None:
+    """Answers say which kind of step they end (the workers report it every step); one that never
+    comes (vLLM hands on an empty step's output only when a worker said something) must not make
+    a later computing step's answer end the empty one and leave the engine busy for good."""
+    cat = make(shm_dir, storage_dir)
+    try:
+        cat.step_scheduled(False)  # empty, its output never handed on
+        cat.step_scheduled(True)
+        assert cat.engine_busy_now
+        cat.step_done(True)
+        assert not cat.engine_busy_now  # the empty step still counted, but nothing computes
+        cat.step_scheduled(True)
+        cat.step_scheduled(False)
+        cat.step_done(False)  # the empty step's answer came first: the computing one is still out
+        assert cat.engine_busy_now
+        cat.step_done(True)
+        assert not cat.engine_busy_now
+        cat.step_done(True)  # an answer with no step of its kind out changes nothing
+        assert not cat.engine_busy_now
+    finally:
+        cat.close()

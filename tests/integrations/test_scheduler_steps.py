@@ -104,9 +104,10 @@ class Sim:
                 rd = self.cat.rank_digests[r]
                 record.seal(view, rd, self.cat.record_key(r, st.lk), self.cat.payload_bytes)
 
-    def report(self, results: dict[int, tuple[int, int]]) -> None:
+    def report(self, results: dict[int, tuple[int, int]], computed: bool = True) -> None:
+        """The workers' report of a step (``computed``: a step with tokens to compute)."""
         self.s.update_connector_output(
-            SimpleNamespace(kv_connector_worker_meta=HpkvWorkerMeta(results=results))
+            SimpleNamespace(kv_connector_worker_meta=HpkvWorkerMeta(results=results, computed=computed))
         )
 
     def ops(self, meta: HpkvMeta) -> list[int]:
@@ -244,10 +245,18 @@ def test_an_empty_step_waits_for_staging_only_with_no_computing_step_out(
     sim.step()  # empty, scheduled while the computing step is out
     assert waits == []
     sim.report({op: (1, 0) for op in sim.ops(computing)})  # the computing step's output
-    sim.report({})  # the empty step's
+    sim.report({}, computed=False)  # the empty step's
     assert not sim.cat.engine_busy_now
     sim.step()  # empty with nothing out: waits (at most IDLE_WAIT_S) for b's promotions
     assert waits == [4]
+    # An empty step whose output never reaches the connector (vLLM drops an empty step's output
+    # that no worker said anything in) must not leave the next computing step counted as out
+    # once that one is answered: the empty steps of the next staging would not wait, but spin.
+    computing = sim.step([(running, len(running.prompt_token_ids or []) - 1, 1)])
+    sim.report({op: (1, 0) for op in sim.ops(computing)})
+    assert not sim.cat.engine_busy_now
+    sim.step()
+    assert waits == [4, 4]
     gate.release.set()
     assert sim.lookup_settled(req) == 4 * CHUNK
     sim.s.request_finished(req)

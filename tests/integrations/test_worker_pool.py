@@ -42,9 +42,15 @@ def test_the_pool_made_at_start_is_kept_when_the_scheduler_maps_it(shm_dir: str)
         scheduler.view[100:104] = b"hpkv"
         assert bytes(made.view[100:104]) == b"hpkv"
         out = w.take_results()
-        assert out is not None and out.attached == 1
-        w.start_load(HpkvMeta(pool_paths=[path], pool_size=SIZE))  # later steps: nothing again
-        assert w.take_results() is None
+        assert out.attached == 1 and not out.computed
+        w.start_load(HpkvMeta(pool_paths=[path], pool_size=SIZE, computes=True))  # later steps: nothing
+        out = w.take_results()  # but a report all the same, saying whether the step computed
+        assert out.results == {} and out.attached == 0 and out.computed
+        # vLLM hands a step's connector output on only when it is not empty: this one is.
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, KVConnectorOutput, ModelRunnerOutput
+
+        handed = ModelRunnerOutput.with_kv_conn_output_only(KVConnectorOutput(kv_connector_worker_meta=out))
+        assert handed is not EMPTY_MODEL_RUNNER_OUTPUT and handed.kv_connector_output is not None
         scheduler.close()
     finally:
         w.shutdown()

@@ -135,10 +135,16 @@ class Cascade:
         self._steps.append(computes)
         self.engine_busy(any(self._steps))
 
-    def step_done(self) -> None:
-        """The oldest scheduled step's output is back."""
-        if self._steps:
-            self._steps.popleft()
+    def step_done(self, computed: bool | None = None) -> None:
+        """A scheduled step's output is back: the oldest step of its kind (``computed``), or the
+        oldest step when the kind is not known. A step whose output never came (vLLM does not hand
+        on an empty step's output that no worker said anything in) is forgotten past
+        ``STEPS_IN_FLIGHT_MAX``, and never mistaken for a computing step still out."""
+        if computed is None:
+            if self._steps:
+                self._steps.popleft()
+        elif computed in self._steps:
+            self._steps.remove(computed)
         self.engine_busy(any(self._steps))
 
     @property

@@ -482,9 +482,9 @@ class Catalog:
         """The engine scheduled a step, computing or not (see :meth:`Cascade.step_scheduled`)."""
         self._cascade.step_scheduled(computes)
 
-    def step_done(self) -> None:
-        """The oldest scheduled step's output is back."""
-        self._cascade.step_done()
+    def step_done(self, computed: bool | None = None) -> None:
+        """A scheduled step's output is back (see :meth:`Cascade.step_done`)."""
+        self._cascade.step_done(computed)
 
     @property
     def engine_busy_now(self) -> bool:

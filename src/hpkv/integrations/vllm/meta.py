@@ -55,15 +55,20 @@ class HpkvMeta(KVConnectorMetadata):
     pool_size: int
     loads: list[LoadRequest] = field(default_factory=list)
     stores: list[StoreChunk] = field(default_factory=list)
+    computes: bool = False  # the step has tokens to compute (echoed back in the workers' report)
 
 
 @dataclass
 class HpkvWorkerMeta(KVConnectorWorkerMetadata):
     """Per op id: (ranks that completed it, ranks that failed it); ``attached``: ranks that mapped
-    their pool file since the last report (once every rank has, the scheduler unlinks the files)."""
+    their pool file since the last report (once every rank has, the scheduler unlinks the files);
+    ``computed``: the step this report ends computed tokens. Every step sends one: vLLM hands an
+    empty step's output to the connector only when a worker has something to say, and the
+    scheduler counts the computing steps still out by their answers."""
 
     results: dict[int, tuple[int, int]] = field(default_factory=dict)
     attached: int = 0
+    computed: bool = False
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, HpkvWorkerMeta):
@@ -72,4 +77,4 @@ class HpkvWorkerMeta(KVConnectorWorkerMetadata):
         for op, (ok, bad) in other.results.items():
             a, b = merged.get(op, (0, 0))
             merged[op] = (a + ok, b + bad)
-        return HpkvWorkerMeta(merged, self.attached + other.attached)
+        return HpkvWorkerMeta(merged, self.attached + other.attached, self.computed or other.computed)

@@ -327,8 +327,9 @@ class HpkvScheduler:
     # -- per step ---------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
-        meta = HpkvMeta(pool_paths=self.catalog.pool_paths, pool_size=self.config.mem_pool_size)
-        self.catalog.step_scheduled(so.total_num_scheduled_tokens > 0)
+        computes = so.total_num_scheduled_tokens > 0
+        meta = HpkvMeta(self.catalog.pool_paths, self.config.mem_pool_size, computes=computes)
+        self.catalog.step_scheduled(computes)
         if so.total_num_scheduled_tokens == 0 and not self.catalog.engine_busy_now:
             self._idle_wait()  # not with a computing step in flight: its output waits on this thread
         for new in so.scheduled_new_reqs:
@@ -470,10 +471,11 @@ class HpkvScheduler:
         return op_id
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.catalog.step_done()  # the oldest step in flight (async scheduling: not the last one)
         wm = output.kv_connector_worker_meta
         if not isinstance(wm, HpkvWorkerMeta):
+            self.catalog.step_done(None)  # not our report: the oldest step in flight
             return
+        self.catalog.step_done(wm.computed)
         if wm.attached:
             self._attached += wm.attached
             if self._attached >= self.world_size:

@@ -85,6 +85,7 @@ class HpkvWorker:
         self._start_pool = start_pool if config is not None and config.mem_pool_size > 0 else None
         self._config = config
         self._first_meta = True
+        self._computes = False
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
         self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
@@ -150,6 +151,7 @@ class HpkvWorker:
     # -- loads -------------------------------------------------------------------------
 
     def start_load(self, meta: HpkvMeta) -> None:
+        self._computes = meta.computes  # said back in this step's report (take_results)
         # Mapped at the first step, loads or not: once every rank has, the scheduler unlinks the files.
         pool = self._attach(meta)
         if not meta.loads:
@@ -325,17 +327,15 @@ class HpkvWorker:
 
     # -- reporting -----------------------------------------------------------------------
 
-    def take_results(self) -> HpkvWorkerMeta | None:
+    def take_results(self) -> HpkvWorkerMeta:
         if self.mover is not None:
             took = self.mover.finish_loads()  # a load is done only once its copies landed
             logs, self._unlogged = self._unlogged, []
             if took is not None:
                 for req, loaded in logs:
                     self._log_load(req, loaded, took if len(logs) == 1 else took / len(logs))
-        with self._lock:
-            if not self._results and not self._announce:
-                return None
-            out = HpkvWorkerMeta(self._results, int(self._announce))
+        with self._lock:  # a report every step, empty or not (see HpkvWorkerMeta)
+            out = HpkvWorkerMeta(self._results, int(self._announce), self._computes)
             self._results = {}
             self._announce = False
         return out
