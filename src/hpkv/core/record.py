@@ -103,55 +103,13 @@ def seal(buf: memoryview, namespace: bytes, key: bytes, payload_len: int) -> Non
     buf[_MAC_AT:HEADER_BYTES] = _mac(buf, payload_len, auth)
 
 
-class Digest:
-    """A record's checksum (or MAC) taken while its bytes arrive, in order from offset 0: a reader
-    hashes each piece just read while it is still in the CPU's cache, instead of reading the whole
-    record back from memory afterwards (on a 2-core box that made promotions from the page cache
-    about a quarter faster). :func:`verify` accepts it in place of hashing ``buf`` again, only when
-    it was fed exactly the ``n`` bytes being verified."""
-
-    def __init__(self, payload_len: int) -> None:
-        self.fed = 0
-        self.auth = _auth_key  # the key of this process when the read began
-        end = HEADER_BYTES + payload_len
-        self._ranges = ((HEADER_BYTES, end),) if self.auth is None else ((0, _MAC_AT), (HEADER_BYTES, end))
-        self._h: xxhash.xxh3_64 | hashlib.blake2b = (
-            xxhash.xxh3_64()
-            if self.auth is None
-            else hashlib.blake2b(digest_size=16, key=self.auth, person=b"hpkv-record-mac")
-        )
-
-    def feed(self, piece: memoryview) -> None:
-        """The next ``len(piece)`` bytes of the record (``piece`` holds record bytes [fed, fed+len))."""
-        at, end = self.fed, self.fed + len(piece)
-        for lo, hi in self._ranges:
-            a, b = max(lo, at), min(hi, end)
-            if a < b:
-                self._h.update(piece[a - at : b - at])
-        self.fed = end
-
-    def matches(self, buf: memoryview) -> bool:
-        """Whether what was fed carries the checksum or MAC in ``buf``'s header."""
-        if isinstance(self._h, xxhash.xxh3_64):
-            return bool(self._h.intdigest() == _HEADER.unpack_from(buf, 0)[-1])
-        return hmac.compare_digest(bytes(buf[_MAC_AT:HEADER_BYTES]), self._h.digest())
-
-
 def verify(
-    buf: memoryview,
-    n: int,
-    namespace: bytes,
-    key: bytes,
-    payload_len: int,
-    *,
-    check_payload: bool = True,
-    taken: Digest | None = None,
+    buf: memoryview, n: int, namespace: bytes, key: bytes, payload_len: int, *, check_payload: bool = True
 ) -> Verdict:
     """Check the record in ``buf[:n]`` (``n`` = bytes actually read).
 
     ``check_payload=False`` skips the checksum (the memory tier's own slots,
     which no other process writes); everything else is always checked.
-    ``taken``: the checksum taken as ``buf[:n]`` was read (see :class:`Digest`).
     """
     if n < HEADER_BYTES:
         return Verdict.SHORT
@@ -172,8 +130,6 @@ def verify(
         return Verdict.WRONG_LENGTH
     if not check_payload:
         return Verdict.OK
-    if taken is not None and taken.fed == n and taken.auth == auth:
-        return Verdict.OK if taken.matches(buf) else Verdict.BAD_CHECKSUM
     if auth is not None:
         if not hmac.compare_digest(bytes(buf[_MAC_AT:HEADER_BYTES]), _mac(buf, payload_len, auth)):
             return Verdict.BAD_CHECKSUM

@@ -14,17 +14,11 @@ import errno
 import mmap
 import os
 import secrets
-from collections.abc import Callable
 from typing import Any
 
 from hpkv.core.paths import open_regular
 
 PAGE = 4096  # O_DIRECT alignment of offsets (buffers come page-aligned from mmap)
-# A read that is checksummed as it goes is done in pieces of this size (a multiple of PAGE): small
-# enough to be hashed from the CPU's cache right after the read wrote it, large enough that the
-# calls cost little (on a 2-core EPYC, 1-2 MiB pieces read and hashed a 14 MiB record 0.7-0.86x as
-# fast as a plain read, against 0.56-0.69x reading it whole and hashing it after; 256 KiB 0.55x).
-PIECE = 1 << 20
 
 # Errors that mean "this chunk could not be written/read", not "hpkv is broken".
 SOFT_ERRNOS = {
@@ -98,47 +92,38 @@ class Reader:
         self.direct = o_direct and hasattr(os, "O_DIRECT")
         self.cached_reads = 0  # reads served whole from the page cache (tests, benchmarks)
 
-    def read(
-        self, path: str, buf: memoryview, expected: int, feed: Callable[[memoryview], None] | None = None
-    ) -> tuple[int, int]:
+    def read(self, path: str, buf: memoryview, expected: int) -> tuple[int, int]:
         """Read up to ``len(buf)`` bytes of ``path`` into ``buf``.
 
         Returns ``(bytes read, inode)``; a file longer than ``expected`` is
         reported as ``expected + 1`` bytes so the caller sees a length mismatch
-        without reading it all. ``feed``: called with each piece as soon as it
-        is in ``buf``, in order (pieces of :data:`PIECE`, so a checksum reads
-        them while they are still in the CPU's cache). Raises OSError
-        (FileNotFoundError when absent).
+        without reading it all. Raises OSError (FileNotFoundError when absent).
         """
         fd = open_regular(path, follow=False)  # a FIFO, link or directory there: NotARegularFile
-        dfd = -1
         try:
             st = os.fstat(fd)
             if st.st_size > expected:
                 return expected + 1, st.st_ino
             if not st.st_size:
                 return 0, st.st_ino
+            total = 0
             if self.direct and _all_cached(fd, st.st_size):
                 self.cached_reads += 1
             elif self.direct:
                 dfd = self._open_direct(path)
-            rfd = dfd if dfd >= 0 else fd
-            piece = PIECE if feed is not None else len(buf)
-            total = 0
+                if dfd >= 0:
+                    try:
+                        total = os.preadv(dfd, [buf], 0)
+                    finally:
+                        os.close(dfd)
+            # Buffered: no O_DIRECT here, or a short direct read (it needs aligned offsets).
             while total < st.st_size:
-                want = buf[total : total + piece]
-                n = os.preadv(rfd, [want], total)
-                if n and feed is not None:
-                    feed(buf[total : total + n])
-                total += n
-                if n < len(want) and rfd != fd:
-                    rfd = fd  # a short direct read: the rest buffered (direct reads need aligned offsets)
-                elif not n:
+                n = os.preadv(fd, [buf[total:]], total)
+                if not n:
                     break
+                total += n
             return total, st.st_ino
         finally:
-            if dfd >= 0:
-                os.close(dfd)
             os.close(fd)
 
     def _open_direct(self, path: str) -> int:

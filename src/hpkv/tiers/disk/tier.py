@@ -181,9 +181,8 @@ class StorageTier:
         """:meth:`read_into` in two halves (see the tier protocol): the file's bytes into ``buf``
         now, and the check that verifies them."""
         path = self.path(key)
-        taken = record.Digest(self.payload_bytes)  # checksummed piece by piece as the read lands
         try:
-            n, ino = self._reader.read(path, buf, self.record_bytes, taken.feed)
+            n, ino = self._reader.read(path, buf, self.record_bytes)
         except FileNotFoundError:
             self._forget(key)
             self._stats.add("misses")
@@ -202,12 +201,10 @@ class StorageTier:
             self._error("read", path, e)
             self._stats.add("misses")
             return None
-        return lambda: self._verify_read(key, buf, n, path, ino, taken)
+        return lambda: self._verify_read(key, buf, n, path, ino)
 
-    def _verify_read(
-        self, key: bytes, buf: memoryview, n: int, path: str, ino: int, taken: record.Digest
-    ) -> bool:
-        verdict = record.verify(buf, n, self.namespace, key, self.payload_bytes, taken=taken)
+    def _verify_read(self, key: bytes, buf: memoryview, n: int, path: str, ino: int) -> bool:
+        verdict = record.verify(buf, n, self.namespace, key, self.payload_bytes)
         if verdict is not record.Verdict.OK:
             self._stats.add("corrupt")
             self._stats.add("misses")
