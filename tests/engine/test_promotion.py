@@ -16,7 +16,7 @@ from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
-from hpkv.engine.reads import Promotion, breakdown
+from hpkv.engine.reads import Promotion, staged_line
 from tests.conftest import CHUNK, SMALL
 
 VERIFY = pytest.mark.parametrize("verify_threads", [0, 2], ids=["inline", "verify-threads"])
@@ -74,13 +74,14 @@ def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
         futures = cat.stage(lks)
         wait(futures, timeout=10)
         assert [f.result() for f in futures] == [True, True, False, True]
-        # Each promotion says when it was taken up, read and settled, in that order; the log line's
-        # breakdown is made of those times.
+        # Each promotion says when it was taken up, read and settled, in that order; the staged
+        # log line breaks the wait down with those times.
         for f in futures:
             assert isinstance(f, Promotion) and since <= f.began <= f.fetched <= f.settled
-        line = breakdown(futures, since)
-        assert line.startswith(" (first read began at ") and "check and commit" in line
-        assert breakdown([Future()], since) == ""
+        line = staged_line(futures, "r1", since)
+        assert line.startswith("staged 4 chunks into memory for request r1 in ")
+        assert " ms (first read began at " in line and "check and commit" in line
+        assert staged_line([Future()], "r2", since).endswith(" ms")  # no times to break down
         for i in (0, 1, 3):
             assert held_bytes(cat, lks[i]) == payloads[i]
         assert not cat.in_memory(lks[2]) and not os.path.exists(bad)

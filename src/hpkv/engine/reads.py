@@ -44,19 +44,22 @@ class Promotion(Future[bool]):
     began = fetched = settled = 0.0
 
 
-def breakdown(futures: list[Future[bool]], since: float) -> str:
-    """Where a slow hit's wait went, for its log line: when the first read began and the last
-    chunk was ready (ms after ``since``, the lookup) and, per chunk (median), its read and its
-    check and commit; empty for futures that are not :class:`Promotion` s or did not finish."""
+def staged_line(futures: list[Future[bool]], request_id: str, since: float) -> str:
+    """The log line of a hit whose chunks were promoted: how many, for which request, how long
+    since ``since`` (the lookup, ``time.monotonic``) and where that went: when the first read
+    began and the last chunk was ready and, per chunk (median), its read and its check and commit
+    (from the futures that are :class:`Promotion` s and finished)."""
+    took = (time.monotonic() - since) * 1e3
+    line = f"staged {len(futures)} chunks into memory for request {request_id} in {took:.1f} ms"
     done = [f for f in futures if isinstance(f, Promotion) and f.settled and f.fetched]
     if not done:
-        return ""
+        return line
     first = min(f.began for f in done) - since
     last = max(f.settled for f in done) - since
     read = statistics.median(f.fetched - f.began for f in done)
     check = statistics.median(f.settled - f.fetched for f in done)
     return (
-        f" (first read began at {first * 1e3:.1f} ms, last chunk ready at {last * 1e3:.1f} ms; "
+        f"{line} (first read began at {first * 1e3:.1f} ms, last chunk ready at {last * 1e3:.1f} ms; "
         f"per chunk, median: read {read * 1e3:.2f} ms, check and commit {check * 1e3:.2f} ms)"
     )
 

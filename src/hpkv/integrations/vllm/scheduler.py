@@ -20,7 +20,7 @@ from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace
 from hpkv.core.procs import name_os_thread
 from hpkv.engine.catalog import MEMORY, Catalog
-from hpkv.engine.reads import breakdown
+from hpkv.engine.reads import staged_line
 from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
@@ -242,13 +242,7 @@ class HpkvScheduler:
                 return None, False
             st.staged = True
             if st.staging:
-                log.info(
-                    "hpkv: staged %d chunks into memory for request %s in %.1f ms%s",
-                    len(st.staging),
-                    request.request_id,
-                    (time.monotonic() - st.staging_since) * 1e3,
-                    breakdown(st.staging, st.staging_since),
-                )
+                log.info("hpkv: %s", staged_line(st.staging, request.request_id, st.staging_since))
                 for name in self.catalog.tiers:  # what arrived (a failed promotion shortens the hit)
                     if name in st.tiers:
                         st.tiers[name] = sum(
