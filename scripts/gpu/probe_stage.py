@@ -54,13 +54,13 @@ def main() -> int:
             storage_io_threads=threads,
         )
 
+    cats: list[Catalog] = []
     try:
         with KVStore(config(4), LAYOUT) as s:
             s.put(toks, kv)
             s.flush()
             namespace, keys = s.namespace, s.keys(toks)
         variants: dict[str, Callable[[], float]] = {}
-        cats = []
         for threads, verify in ((4, 4), (4, 0), (8, 0), (8, 8)):
             if verify and threads + verify > 2 * cores:
                 continue
@@ -95,9 +95,9 @@ def main() -> int:
             ref = statistics.median(rates["raw 8" if name.startswith(("stage 8", "raw 8")) else "raw 4"])
             m = statistics.median(rs)
             print(f"{name:24s} {m:6.2f} GB/s  {m / ref:4.2f}x raw  (rounds {min(rs):.2f}-{max(rs):.2f})")
+    finally:
         for cat in cats:
             cat.close()
-    finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(shm, ignore_errors=True)
     return 0

@@ -324,7 +324,7 @@ class HpkvScheduler:
         computes = so.total_num_scheduled_tokens > 0
         meta = HpkvMeta(self.catalog.pool_paths, self.config.mem_pool_size, computes=computes)
         self.catalog.step_scheduled(computes)
-        if so.total_num_scheduled_tokens == 0 and not self.catalog.engine_busy_now:
+        if not computes and not self.catalog.engine_busy_now:
             self._idle_wait()  # not with a computing step in flight: its output waits on this thread
         for new in so.scheduled_new_reqs:
             st = self._seen(new.req_id, new.prompt_token_ids)
