@@ -74,13 +74,16 @@ def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
         futures = cat.stage(lks)
         wait(futures, timeout=10)
         assert [f.result() for f in futures] == [True, True, False, True]
-        # Each promotion says when it was taken up, read and settled, in that order; the staged
-        # log line breaks the wait down with those times.
+        # Each promotion says when it was taken up, read, handed to its check and settled, in that
+        # order, and on which I/O thread; the staged log line breaks the wait down with those times.
         for f in futures:
-            assert isinstance(f, Promotion) and since <= f.began <= f.fetched <= f.settled
+            assert isinstance(f, Promotion) and since <= f.began <= f.fetched <= f.checking <= f.settled
+            assert f.io_thread
         line = staged_line(futures, "r1", since)
         assert line.startswith("staged 4 chunks into memory for request r1 in ")
-        assert " ms (first read began at " in line and "check and commit" in line
+        assert " ms (first read began at " in line and ", to a check " in line and "check and commit" in line
+        threads = len({f.io_thread for f in futures})
+        assert f"; {threads} I/O threads reading " in line and line.endswith("% of the time)")
         assert staged_line([Future()], "r2", since).endswith(" ms")  # no times to break down
         for i in (0, 1, 3):
             assert held_bytes(cat, lks[i]) == payloads[i]

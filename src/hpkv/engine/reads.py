@@ -37,30 +37,38 @@ log = logging.getLogger(__name__)
 
 
 class Promotion(Future[bool]):
-    """A promotion's future, with when its I/O thread took it up, when its bytes were in the slot
-    and when it settled (``time.monotonic``; 0.0 until then): what a slow hit's log line breaks
-    its wait into (queued, read, checked)."""
+    """A promotion's future, with when its I/O thread (``io_thread``) took it up, when its bytes
+    were in the slot, when its check began and when it settled (``time.monotonic``; 0.0 until
+    then): what a slow hit's log line breaks its wait into (queued, read, handed over, checked)."""
 
-    began = fetched = settled = 0.0
+    began = fetched = checking = settled = 0.0
+    io_thread = 0
 
 
 def staged_line(futures: list[Future[bool]], request_id: str, since: float) -> str:
     """The log line of a hit whose chunks were promoted: how many, for which request, how long
     since ``since`` (the lookup, ``time.monotonic``) and where that went: when the first read
-    began and the last chunk was ready and, per chunk (median), its read and its check and commit
-    (from the futures that are :class:`Promotion` s and finished)."""
+    began and the last chunk was ready; per chunk (median) its read, the wait until a check took
+    it up and its check and commit; and the share of the reads' span in which the I/O threads
+    that took part were reading (below 100% they waited between reads: for the GIL, a lock, the
+    queue). From the futures that are :class:`Promotion` s and finished."""
     took = (time.monotonic() - since) * 1e3
     line = f"staged {len(futures)} chunks into memory for request {request_id} in {took:.1f} ms"
-    done = [f for f in futures if isinstance(f, Promotion) and f.settled and f.fetched]
+    done = [f for f in futures if isinstance(f, Promotion) and f.settled and f.checking]
     if not done:
         return line
     first = min(f.began for f in done) - since
     last = max(f.settled for f in done) - since
     read = statistics.median(f.fetched - f.began for f in done)
-    check = statistics.median(f.settled - f.fetched for f in done)
+    hand = statistics.median(f.checking - f.fetched for f in done)
+    check = statistics.median(f.settled - f.checking for f in done)
+    threads = len({f.io_thread for f in done})
+    span = max(f.fetched for f in done) - min(f.began for f in done)
+    busy = sum(f.fetched - f.began for f in done) / (threads * span) if span > 0 else 1.0
     return (
         f"{line} (first read began at {first * 1e3:.1f} ms, last chunk ready at {last * 1e3:.1f} ms; "
-        f"per chunk, median: read {read * 1e3:.2f} ms, check and commit {check * 1e3:.2f} ms)"
+        f"per chunk, median: read {read * 1e3:.2f} ms, to a check {hand * 1e3:.2f} ms, check and commit "
+        f"{check * 1e3:.2f} ms; {threads} I/O threads reading {busy:.0%} of the time)"
     )
 
 
@@ -119,7 +127,7 @@ class Reader:
         verify thread (:meth:`_verify_promotion`) that commits it and settles ``fut``."""
         cat = self._cat
         slot: int | None = None
-        fut.began = time.monotonic()
+        fut.began, fut.io_thread = time.monotonic(), threading.get_ident()
         try:
             slot = cat.reserve()
             if slot is None:
@@ -145,6 +153,7 @@ class Reader:
         self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Promotion
     ) -> None:
         ok = False
+        fut.checking = time.monotonic()
         try:
             if all(check() for check in checks):
                 ok = self._cat.promoted(slot, lk)
