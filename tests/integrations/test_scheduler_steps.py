@@ -301,6 +301,59 @@ def test_a_pool_too_small_for_the_prompt_gives_a_shorter_hit(make_sim: Any) -> N
     assert sim.pinned() == 0
 
 
+def test_a_hit_waits_for_room_that_other_requests_hold_instead_of_coming_out_short(make_sim: Any) -> None:
+    # Under load the pool's slots are held for a while by requests admitted but not yet loaded (and
+    # by the write-behind): a hit whose promotions found no slot would come out short and its rest
+    # be recomputed by an engine that is busy already. It waits for the room instead.
+    sim = with_slots(make_sim, 8, storage_io_threads=1)
+    mine = prompt(4, seed=21)
+    assert sim.cold("a", mine) == 4
+    sim.s.reset_cache()  # memory emptied; storage keeps the four chunks
+    other = prompt(6, seed=22)
+    assert sim.cold("o", other) == 6
+    holder = sim.request("h", other)
+    assert sim.lookup_settled(holder) == 6 * CHUNK  # its lease pins 6 of the 8 slots
+    assert sim.pinned() == 6
+    before = sim.cat.stats()[MEMORY]
+    req = sim.request("b", mine)
+    for _ in range(3):
+        assert sim.lookup(req) is None  # 4 chunks to promote, room for 2: asked again, nothing started
+        sim.step()
+    after = sim.cat.stats()[MEMORY]
+    assert after["promotions"] == before["promotions"]
+    assert after["writes_skipped"] == before["writes_skipped"] == 0
+    assert sim.counters()["lookups_waited_for_room"] == 1
+    sim.s.request_finished(holder)  # the other request leaves: its lease is released
+    assert sim.pinned() == 0
+    assert sim.lookup_settled(req) == 4 * CHUNK  # the whole hit
+    assert sim.cat.stats()[MEMORY]["promotions"] - before["promotions"] == 4
+    assert sim.pinned() == 4
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0
+
+
+def test_a_hit_waits_for_room_only_so_long_then_comes_out_short(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("hpkv.integrations.vllm.scheduler.ROOM_WAIT_S", 0.3)
+    sim = with_slots(make_sim, 8, storage_io_threads=1)
+    mine = prompt(4, seed=23)
+    assert sim.cold("a", mine) == 4
+    sim.s.reset_cache()
+    other = prompt(6, seed=24)
+    assert sim.cold("o", other) == 6
+    holder = sim.request("h", other)
+    assert sim.lookup_settled(holder) == 6 * CHUNK  # holds 6 of the 8 slots and never leaves
+    req = sim.request("b", mine)
+    assert sim.lookup(req) is None
+    time.sleep(0.35)
+    assert sim.lookup_settled(req) == 2 * CHUNK  # promoted as far as the room went
+    assert sim.counters()["lookups_waited_for_room"] == 1
+    for r in (holder, req):
+        sim.s.request_finished(r)
+    assert sim.pinned() == 0
+
+
 def test_ranks_reporting_out_of_order_and_one_rank_failing(make_sim: Any) -> None:
     sim = make_sim(world_size=2)
     tokens = prompt(2, seed=5)

@@ -192,6 +192,27 @@ def test_reserve_never_evicts_protected_keys() -> None:
     idx.check()
 
 
+def test_room_counts_what_reserve_could_hand_out() -> None:
+    from hpkv.tiers.memory.slots import SlotIndex
+
+    idx = SlotIndex(5)
+    assert idx.room() == 5
+    for k in (b"a", b"b", b"c"):
+        got = idx.reserve()
+        assert got is not None
+        idx.commit(got[0], k)
+    reserved = idx.reserve()  # pinned, not yet visible
+    assert reserved is not None
+    pinned = idx.pin(b"a")
+    assert pinned is not None
+    # free: 1; live and unpinned: b, c; protected: c (and a, pinned anyway; x, not in the pool)
+    assert idx.room(protected={b"a", b"c", b"x"}) == 2
+    for _ in range(2):
+        assert idx.reserve(protected={b"a", b"c", b"x"}) is not None
+    assert idx.room(protected={b"a", b"c", b"x"}) == 0
+    assert idx.reserve(protected={b"a", b"c", b"x"}) is None
+
+
 def _pool_script(path: str, then: str) -> list[str]:
     import sys
 

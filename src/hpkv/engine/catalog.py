@@ -325,6 +325,18 @@ class Catalog:
             for lk in lks:
                 self._protected[lk] = self._protected.get(lk, 0) + 1
 
+    def room(self) -> int:
+        """Slots a promotion or store could get now (free, or evictable: unpinned, unprotected)."""
+        with self._lock:
+            return self._index.room(self._protected)
+
+    def short_of_room(self, need: int) -> bool:
+        """Whether promoting ``need`` chunks now would find slots missing that other work holds for
+        a while (other requests' leases and promotions, the write-behind's queue), so that asking
+        again shortly beats a shorter hit. Never for more than half the pool: the write-behind may
+        pin half, so more can never be counted on: such a hit is promoted as far as room goes)."""
+        return 0 < need <= self.num_slots // 2 and self.room() < need
+
     def unprotect(self, lks: Iterable[bytes]) -> None:
         with self._lock:
             for lk in lks:

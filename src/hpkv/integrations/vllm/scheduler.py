@@ -36,6 +36,9 @@ log = logging.getLogger("hpkv")
 
 # How long a request keeps being asked about before it settles for what is in memory then.
 STAGE_GIVE_UP_S = 30.0
+# How long a hit waits for pool slots that others hold before it is promoted as far as room goes
+# (two waiting requests could each hold, protected, resident chunks the other needs room for).
+ROOM_WAIT_S = 2.0
 # A step that scheduled nothing while lookups wait for tier I/O: the engine would spin through empty
 # steps (scheduler and workers polling), taking the CPU from the promotion threads (on 2 cores that
 # made storage and valkey hits 10-50 ms slower). Such a step waits for those lookups' I/O to finish, at
@@ -64,6 +67,8 @@ class _Req:
     looked_from: int = 0
     probe: Future[list[str | None]] | None = None  # the remote tiers' answer for the local gaps
     probe_at: list[int] = field(default_factory=list)
+    cut: int = -1  # chunks of the hit (from looked_from), once cut at the first gap
+    waited_for_room: bool = False
     stage_started: bool = False
     staging: list[Future[bool]] = field(default_factory=list)
     staging_since: float = 0.0
@@ -137,6 +142,7 @@ class HpkvScheduler:
             "store_failures": 0,
             "skipped_requests": 0,
             "stores_skipped_pool_full": 0,
+            "lookups_waited_for_room": 0,
         }
         self._pool_full_logged = 0.0
         self._pool_full_since_log = 0
@@ -225,16 +231,23 @@ class HpkvScheduler:
                     st.where[i] = name
                 st.probe = None
             if not st.stage_started:
-                st.stage_started = True
                 where = st.where
-                cut = where.index(None) if None in where else len(where)
-                where = where[:cut]
-                st.tiers = {t: where.count(t) for t in [MEMORY, *self.catalog.tiers] if t in where}
-                st.protected = lks[st.looked_from : st.looked_from + cut]
-                self.catalog.protect(st.protected)
-                need = [lk for lk, w in zip(st.protected, where, strict=True) if w != MEMORY]
-                if not st.staging_since:
-                    st.staging_since = time.monotonic()
+                if st.cut < 0:  # the hit ends at the first gap; its chunks are kept from eviction
+                    st.cut = where.index(None) if None in where else len(where)
+                    where = where[: st.cut]
+                    st.tiers = {t: where.count(t) for t in [MEMORY, *self.catalog.tiers] if t in where}
+                    st.protected = lks[st.looked_from : st.looked_from + st.cut]
+                    self.catalog.protect(st.protected)
+                    if not st.staging_since:
+                        st.staging_since = time.monotonic()
+                need = [lk for lk, w in zip(st.protected, where, strict=False) if w != MEMORY]
+                if self.catalog.short_of_room(len(need)) and not self._waited(st, ROOM_WAIT_S):
+                    # Promotions that found no slot would cut the hit short, and under load the
+                    # engine would recompute the rest behind the backlog holding the slots.
+                    self._counters["lookups_waited_for_room"] += not st.waited_for_room
+                    st.waited_for_room = True
+                    return None, False
+                st.stage_started = True
                 if need and self.config.async_load:
                     return self._answer_async(st, num_computed)
                 st.staging = self.catalog.stage(need, st.tenant)
@@ -538,7 +551,10 @@ class HpkvScheduler:
 
     def _gave_up(self, st: _Req) -> bool:
         """The request's tier I/O has taken too long: settle for what has arrived."""
-        return bool(st.staging_since) and time.monotonic() - st.staging_since > STAGE_GIVE_UP_S
+        return self._waited(st, STAGE_GIVE_UP_S)
+
+    def _waited(self, st: _Req, limit: float) -> bool:
+        return bool(st.staging_since) and time.monotonic() - st.staging_since > limit
 
     def _idle_wait(self) -> None:
         pending: list[Future[Any]] = []

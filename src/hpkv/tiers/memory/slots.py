@@ -14,7 +14,7 @@ Slot states:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
+from collections.abc import Collection, Container
 
 
 class SlotIndex:
@@ -115,6 +115,15 @@ class SlotIndex:
     def pinned(self) -> int:
         """Slots with at least one pin. O(1)."""
         return self._npinned
+
+    def room(self, protected: Collection[bytes] = ()) -> int:
+        """Slots :meth:`reserve` could hand out now: the unpinned ones (free, or live and
+        evictable) less the live unpinned ones whose key is in ``protected``."""
+        held = 0
+        for key in protected:
+            slot = self._lru.get(key)
+            held += slot is not None and self._pins[slot] == 0
+        return self.num_slots - self._npinned - held
 
     def check(self) -> None:
         """Consistency check for tests: every slot is in exactly one state."""
