@@ -292,7 +292,9 @@ class Catalog:
         """Start promoting ``lks`` (those not in memory) into memory; never blocks.
 
         Returns the futures of the promotions now running for these keys (True: the chunk is in
-        memory now). Without a memory tier nothing can be staged and the list is empty.
+        memory now). Each new promotion's slot is reserved here, on the calling thread (one that
+        finds none is settled False at once). Without a memory tier nothing can be staged and the
+        list is empty.
         """
         return self._reads.stage(list(lks), tenant)
 

@@ -115,24 +115,31 @@ class Reader:
                 continue
             with self._lock:
                 fut = self._staging.get(lk)
+                new = fut is None
                 if fut is None:
                     fut = Promotion()
                     self._staging[lk] = fut
-                    self._io.submit(self._promote, lk, tenant, fut)
+            if new:
+                # The slot is taken here, on the caller's thread: room the caller found for these
+                # promotions (see Catalog.short_of_room) is theirs, not the next lookup's.
+                slot = cat.reserve()
+                if slot is None:
+                    self._settle(lk, fut, False)
+                else:
+                    try:
+                        self._io.submit(self._promote, lk, slot, tenant, fut)
+                    except RuntimeError:  # the reader is closing
+                        cat.abort(slot)
+                        self._settle(lk, fut, False)
             futures.append(fut)
         return futures
 
-    def _promote(self, lk: bytes, tenant: str, fut: Promotion) -> None:
-        """On an I/O thread: every rank's record of ``lk`` into a reserved slot, then on to a
+    def _promote(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
+        """On an I/O thread: every rank's record of ``lk`` into its reserved ``slot``, then on to a
         verify thread (:meth:`_verify_promotion`) that commits it and settles ``fut``."""
         cat = self._cat
-        slot: int | None = None
         fut.began, fut.io_thread = time.monotonic(), threading.get_ident()
         try:
-            slot = cat.reserve()
-            if slot is None:
-                self._settle(lk, fut, False)
-                return
             checks = self._fetch_all_ranks(lk, slot, tenant)
             fut.fetched = time.monotonic()
             if checks is None:
@@ -145,8 +152,7 @@ class Reader:
                 self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
         except Exception:
             log.exception("hpkv: promotion failed")
-            if slot is not None:
-                cat.abort(slot)
+            cat.abort(slot)
             self._settle(lk, fut, False)
 
     def _verify_promotion(
