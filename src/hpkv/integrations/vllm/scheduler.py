@@ -24,6 +24,7 @@ from hpkv.engine.reads import staged_line
 from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
+from hpkv.integrations.vllm.poolfull import PoolFullLog
 from hpkv.integrations.vllm.statsfile import StatsFile
 
 if TYPE_CHECKING:
@@ -144,8 +145,7 @@ class HpkvScheduler:
             "stores_skipped_pool_full": 0,
             "lookups_waited_for_room": 0,
         }
-        self._pool_full_logged = 0.0
-        self._pool_full_since_log = 0
+        self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self.stats_file.write(self.stats, force=True)
         # Background tier work (cascade writes, promotions) changes counters between steps.
@@ -438,7 +438,8 @@ class HpkvScheduler:
                 continue
             reserved = self.catalog.reserve()
             if reserved is None:
-                self._pool_full(req_id)
+                self._counters["stores_skipped_pool_full"] += 1
+                self._pool_full.skipped(req_id)
                 continue
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
             op = self._new_op(
@@ -446,30 +447,6 @@ class HpkvScheduler:
             )
             self._pending_store.add(lk)
             meta.stores.append(StoreChunk(op, reserved, lk, blocks))
-
-    def _pool_full(self, req_id: str) -> None:
-        """A computed chunk found no slot to be stored in (every slot pinned by loads in flight or by
-        write-behind the slower tiers have not taken yet): it reaches no tier, and a later revisit
-        recomputes it. Counted, and said at most once per POOL_FULL_LOG_S."""
-        self._counters["stores_skipped_pool_full"] += 1
-        self._pool_full_since_log += 1
-        now = time.monotonic()
-        if now - self._pool_full_logged < POOL_FULL_LOG_S:
-            return
-        mem = self.catalog.stats().get(MEMORY, {})
-        log.warning(
-            "hpkv: %d chunk(s) not stored (latest: request %s): every memory slot was pinned "
-            "(%d of %d slots; %d chunks queued for the slower tiers). They reach no tier and a revisit "
-            "recomputes them; a larger %s (now %.1f MiB) keeps up with more.",
-            self._pool_full_since_log,
-            req_id,
-            mem.get("pinned_slots", 0),
-            self.catalog.num_slots,
-            mem.get("cascade_pending", 0),
-            self.config.where("mem_pool_size"),
-            self.config.mem_pool_size / 2**20,
-        )
-        self._pool_full_logged, self._pool_full_since_log = now, 0
 
     def _new_op(self, op: _Op) -> int:
         op_id = self._next_op
