@@ -336,7 +336,7 @@ class Catalog:
         """Whether promoting ``need`` chunks now would find slots missing that other work holds for
         a while (other requests' leases and promotions, the write-behind's queue), so that asking
         again shortly beats a shorter hit. Never for more than half the pool: the write-behind may
-        pin half, so more can never be counted on: such a hit is promoted as far as room goes)."""
+        pin half, so more can never be counted on (such a hit is promoted as far as room goes)."""
         return 0 < need <= self.num_slots // 2 and self.room() < need
 
     def unprotect(self, lks: Iterable[bytes]) -> None:
