@@ -368,3 +368,27 @@ def test_a_pool_made_for_another_process_is_adopted_only_while_its_maker_holds_i
     assert os.path.exists(path)
     assert ShmPool.adopt(path, size) is None
     assert not os.path.exists(path)
+
+
+def test_a_pool_made_in_this_process_is_adopted_through_its_own_mapping(shm_dir: str) -> None:
+    """vLLM's single-GPU engine runs the worker that made the pool in the scheduler's process: the
+    scheduler shares the worker's (page-locked) mapping instead of mapping and prefaulting it again,
+    and letting go of either handle leaves the other's bytes readable."""
+    size = 4 << 20
+    path = agreed_pool_path(shm_dir, os.getpid(), "adopt1")
+    assert path is not None
+    maker = ShmPool(path, size, prefault=False)
+    adopted = ShmPool.adopt(path, size)
+    assert adopted is not None and adopted._mm is maker._mm and adopted._prefault is None
+    assert not adopted._owner
+    maker.tensor[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.uint8)
+    assert bytes(adopted.view[:4]) == b"\x01\x02\x03\x04"
+    adopted.close()
+    assert bytes(maker.view[:4]) == b"\x01\x02\x03\x04" and os.path.exists(path)
+    again = ShmPool.adopt(path, size)
+    assert again is not None
+    maker.close()  # the maker goes first: its file with it, the borrowed view stays valid
+    assert not os.path.exists(path)
+    assert bytes(again.view[:4]) == b"\x01\x02\x03\x04"
+    again.close()
+    assert ShmPool.adopt(path, size) is None
