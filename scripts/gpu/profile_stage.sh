@@ -3,14 +3,15 @@
 # ttft's storage row and, once its storage phase has begun, samples the engine process with py-spy:
 # first only the thread holding the GIL (--gil), then every thread that is not idle. Needs py-spy's
 # wheel in .whl/ (install.sh installs every wheel there). Outputs under $OUT/prof: the bench's log and
-# files, gil.txt and active.txt (py-spy's raw stacks), and a summary printed by summarize_spy.py.
+# files, threads.txt (threads.py: CPU, faults and switches per thread from /proc), gil.txt and active.txt
+# (py-spy's raw stacks), and a summary printed by summarize_spy.py.
 . scripts/gpu/env.sh
 SPY=/root/site/bin/py-spy
 [ -x $SPY ] || { echo "py-spy missing: put its wheel in .whl/"; exit 1; }
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 P=$OUT/prof; mkdir -p $P
 python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="${TTFT_VLLM_ARGS---enforce-eager}" \
-  --compare hpkv --scenarios prefill,gpu,storage --prompt-kind random --prompts ${PROF_PROMPTS:-48} \
+  --compare hpkv --scenarios prefill,gpu,storage --prompt-kind random --prompts ${PROF_PROMPTS:-24} \
   --pool-size 24G --out $P/ttft > $P/ttft.log 2>&1 &
 B=$!
 until grep -q "staged 32 chunks" $P/ttft/vllm-hpkv.log 2>/dev/null; do
@@ -18,6 +19,7 @@ until grep -q "staged 32 chunks" $P/ttft/vllm-hpkv.log 2>/dev/null; do
   sleep 0.2
 done
 PID=$(pgrep -n -f EngineCore)
+python3 scripts/gpu/threads.py $PID ${PROF_S:-4} > $P/threads.txt 2>&1
 $SPY record --pid $PID --gil --threads --nonblocking --rate 500 --duration ${PROF_S:-6} --format raw \
   --output $P/gil.txt > $P/spy-gil.log 2>&1
 $SPY record --pid $PID --threads --nonblocking --rate 500 --duration ${PROF_S:-6} --format raw \
@@ -25,4 +27,5 @@ $SPY record --pid $PID --threads --nonblocking --rate 500 --duration ${PROF_S:-6
 wait $B
 tail -12 $P/ttft.log
 grep -h "staged" $P/ttft/vllm-hpkv.log | tail -3
+cat $P/threads.txt
 python3 scripts/gpu/summarize_spy.py $P/gil.txt $P/active.txt
