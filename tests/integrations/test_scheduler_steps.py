@@ -631,3 +631,36 @@ def test_async_asked_again_before_allocation_gives_the_same_answer_and_stages_on
     sim.s.request_finished(req2)
     assert sim.pinned() == 0
     sim.s.request_finished(req)
+
+
+def test_async_chunks_that_arrive_together_go_out_in_one_step(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle step of an async load wakes at the first arrival and takes the chunks that follow it
+    shortly in the same part, not one step per chunk (each step holds the GIL the reads need)."""
+    from hpkv.integrations.vllm import scheduler as mod
+
+    sim, tokens, lks, gate = head_in_memory_rest_held(make_sim, monkeypatch, 4, seed=25)
+    monkeypatch.setattr(mod, "ASYNC_GATHER_S", 10.0)  # three reads in a row, well inside it
+    tier = sim.cat.storage[0]
+    gated = tier.fetch_into
+
+    def slow(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
+        time.sleep(0.05)  # each read takes a while: the next arrives after the first one's step began
+        return gated(key, buf, tenant)
+
+    monkeypatch.setattr(tier, "fetch_into", slow)
+    req = sim.request("b", tokens)
+    assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)
+    sim.admit(req, 4 * CHUNK)
+    assert gate.reading.wait(5)
+    [first] = sim.step().loads  # the chunk in memory
+    assert [c.lk for c in first.chunks] == lks[:1]
+    gate.release.set()
+    rest = parts_until_last(sim)
+    assert [[c.lk for c in p.chunks] for p in rest] == [lks[1:]]  # one step, all three
+    assert rest[0].last
+    sim.report({first.op_id: (1, 0)})
+    assert sim.counters()["loaded_tokens"] == 4 * CHUNK
+    sim.s.request_finished(req)
+    assert sim.pinned() == 0

@@ -45,6 +45,11 @@ ROOM_WAIT_S = 2.0
 # made storage and valkey hits 10-50 ms slower). Such a step waits for those lookups' I/O to finish, at
 # most this long, unless a computing step is still out (async scheduling): its output waits on this thread.
 IDLE_WAIT_S = 0.02
+# An async load sends its chunks as they arrive, but not one step per chunk: each step is the engine
+# thread's Python on the GIL that every promotion needs back after each system call (with a thread
+# spinning in Python, 4 I/O threads staged at 3.0 GB/s instead of 15.0 on the H200's host:
+# scripts/gpu/probe_stage.py). After the first arrival the step gathers the others for this long.
+ASYNC_GATHER_S = 0.005
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 STATS_REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
 PENDING_OPS_MAX_S = 60.0
@@ -539,9 +544,12 @@ class HpkvScheduler:
             if st.probe is not None and not st.probe.done():
                 pending.append(st.probe)
             pending.extend(f for f in st.staging if not f.done())
-        if pending:
-            # An async load sends each chunk as it arrives: wake for the first one.
-            wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED if self._async else ALL_COMPLETED)
+        if pending and not self._async:
+            wait(pending, timeout=IDLE_WAIT_S, return_when=ALL_COMPLETED)
+        elif pending:  # an async load: wake for the first arrival, and take what follows it shortly
+            done, rest = wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            if done and rest:
+                wait(rest, timeout=ASYNC_GATHER_S, return_when=ALL_COMPLETED)
 
     def _unprotect(self, st: _Req) -> None:
         if st.protected:
