@@ -5,7 +5,10 @@ cache, interleaved round by round:
 
 * ``raw T``: the files read whole by T threads (the ttft bench's storage reference);
 * ``stage T/V``: ``Catalog.stage`` into pool slots with T I/O threads and V verify threads (0: each
-  I/O thread checks its own reads).
+  I/O thread checks its own reads);
+* ``stage 4/V busy``: the first 4-thread staging while a Python thread spins, as an engine thread that holds the GIL
+  would (``, 0.5 ms``: with the interpreter's switch interval at 0.5 ms instead of 5): how much the
+  staging depends on getting the GIL back after each system call.
 
 So the in-vLLM storage row can be told apart from what hpkv's code costs by itself::
 
@@ -19,6 +22,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import wait
@@ -32,6 +36,27 @@ from hpkv.engine.catalog import MEMORY, Catalog
 
 CHUNKS, CHUNK = 32, 256
 LAYOUT = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)  # Qwen2-7B's KV
+
+
+def busy(fn: Callable[[], float], interval: float) -> float:
+    """``fn()`` while another thread runs Python without pause, the switch interval ``interval``."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        return fn()
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(before)
 
 
 def main() -> int:
@@ -77,6 +102,9 @@ def main() -> int:
                 return gb / took
 
             variants[f"stage {threads}/{verify}"] = stage
+            if threads == 4 and not any(k.endswith("busy") for k in variants):
+                variants[f"stage {threads}/{verify} busy"] = lambda stage=stage: busy(stage, 0.005)
+                variants[f"stage {threads}/{verify} busy, 0.5 ms"] = lambda stage=stage: busy(stage, 0.0005)
         for threads in (4, 8):
             variants[f"raw {threads}"] = lambda t=threads: raw_read_gbps(
                 root, CHUNKS, t, cold=False, repeat=1

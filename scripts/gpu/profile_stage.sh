@@ -6,7 +6,7 @@
 # files, threads.txt (threads.py: CPU, faults and switches per thread from /proc), gil.txt and active.txt
 # (py-spy's raw stacks), and a summary printed by summarize_spy.py.
 . scripts/gpu/env.sh
-SPY=/root/site/bin/py-spy
+SPY=${SPY:-/root/site/bin/py-spy}
 [ -x $SPY ] || { echo "py-spy missing: put its wheel in .whl/"; exit 1; }
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 P=$OUT/prof; mkdir -p $P
