@@ -19,8 +19,10 @@ def main() -> None:
             t = time.perf_counter()
             list(pool.map(xxhash.xxh3_64_intdigest, bufs))
             took = time.perf_counter() - t
-        print(f"xxhash {xxhash.VERSION}: {threads} thread(s) {K * N / took / 1e9:6.2f} GB/s, "
-              f"{took / K * threads * 1e3:.2f} ms per 14 MiB per thread")
+        print(
+            f"xxhash {xxhash.VERSION}: {threads} thread(s) {K * N / took / 1e9:6.2f} GB/s, "
+            f"{took / K * threads * 1e3:.2f} ms per 14 MiB per thread"
+        )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ cache, interleaved round by round:
 * ``raw T``: the files read whole by T threads (the ttft bench's storage reference);
 * ``stage T/V``: ``Catalog.stage`` into pool slots with T I/O threads and V verify threads (0: each
   I/O thread checks its own reads);
-* ``stage 4/V busy``: the first 4-thread staging while a Python thread spins, as an engine thread that holds the GIL
-  would (``, 0.5 ms``: with the interpreter's switch interval at 0.5 ms instead of 5): how much the
-  staging depends on getting the GIL back after each system call.
+* ``stage 4/V busy``: the first 4-thread staging while a Python thread spins, as an engine thread
+  that holds the GIL would (``, 0.5 ms``: with the interpreter's switch interval at 0.5 ms instead
+  of 5): how much the staging depends on getting the GIL back after each system call.
 
 So the in-vLLM storage row can be told apart from what hpkv's code costs by itself::
 

@@ -94,8 +94,10 @@ def main() -> None:
         )
     with open(f"/proc/{pid}/status") as f:
         allowed = [line.split(":", 1)[1].strip() for line in f if line.startswith("Cpus_allowed_list")]
-    print(f"allowed CPUs {allowed[0] if allowed else '?'}; this machine has {os.cpu_count()} cores; "
-          f"load average {open('/proc/loadavg').read().split()[:3]}")
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    where = allowed[0] if allowed else "?"
+    print(f"allowed CPUs {where}; this machine has {os.cpu_count()} cores; load average {load}")
 
 
 if __name__ == "__main__":
