@@ -19,13 +19,16 @@ until grep -q "staged 32 chunks" $P/ttft/vllm-hpkv.log 2>/dev/null; do
   sleep 0.2
 done
 PID=$(pgrep -n -f EngineCore)
-python3 scripts/gpu/threads.py $PID ${PROF_S:-4} > $P/threads.txt 2>&1
-$SPY record --pid $PID --gil --threads --nonblocking --rate 500 --duration ${PROF_S:-6} --format raw \
+# /proc and py-spy's GIL pass at once: the storage phase of 24 prompts lasts ~6 s (tenth session)
+python3 scripts/gpu/threads.py $PID ${PROF_S:-3} > $P/threads.txt 2>&1 &
+T=$!
+$SPY record --pid $PID --gil --threads --nonblocking --rate 500 --duration ${PROF_S:-3} --format raw \
   --output $P/gil.txt > $P/spy-gil.log 2>&1
-$SPY record --pid $PID --threads --nonblocking --rate 500 --duration ${PROF_S:-6} --format raw \
+wait $T
+$SPY record --pid $PID --threads --nonblocking --rate 500 --duration ${PROF_S:-3} --format raw \
   --output $P/active.txt > $P/spy-active.log 2>&1
 wait $B
 tail -12 $P/ttft.log
 grep -h "staged" $P/ttft/vllm-hpkv.log | tail -3
 cat $P/threads.txt
-python3 scripts/gpu/summarize_spy.py $P/gil.txt $P/active.txt
+python3 scripts/gpu/summarize_spy.py $P/gil.txt $([ -s $P/active.txt ] && echo $P/active.txt)
