@@ -262,23 +262,29 @@ class ShmPool:
         The creator owns the file: ``close()`` here only unmaps. ``prefault``: touch every page of
         this mapping in the background (a CPU engine's worker; CUDA's page-locking maps them all).
         """
-        self = cls.__new__(cls)
-        self.path, self.size = path, size
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         try:
             if os.fstat(fd).st_size < size:
                 raise HpkvConfigError(f"memory pool file {path} is smaller than {size} bytes")
-            self._mm = _map(fd, size)
+            self = cls._handle(path, size, _map(fd, size))
         finally:
             os.close(fd)
+        if prefault:
+            self._start_prefault()
+        return self
+
+    @classmethod
+    def _handle(cls, path: str, size: int, mm: mmap.mmap) -> ShmPool:
+        """A pool that this object does not own, over the mapping ``mm``: close() only unmaps."""
+        self = cls.__new__(cls)
+        self.path, self.size = path, size
+        self._mm = mm
         self._fd = -1
-        self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
-        self.view = memoryview(self._mm)
+        self.tensor = torch.frombuffer(mm, dtype=torch.uint8)
+        self.view = memoryview(mm)
         self._closed = False
         self._owner = False
         self._prefault = None
-        if prefault:
-            self._start_prefault()
         return self
 
     @classmethod
@@ -303,16 +309,7 @@ class ShmPool:
         page ran at 2.3-2.7 GB/s here against 15.5-18.2 into mapped ones; a page-locked pool is
         mapped whole) and whose prefault would spend a core at start. ``close()`` on it only lets
         go; the mapping stays until the last view of it is dropped."""
-        other = ShmPool.__new__(ShmPool)
-        other.path, other.size = self.path, self.size
-        other._mm = self._mm
-        other._fd = -1
-        other.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
-        other.view = memoryview(self._mm)
-        other._closed = False
-        other._owner = False
-        other._prefault = None
-        return other
+        return ShmPool._handle(self.path, self.size, self._mm)
 
     _owner = True
     _prefault: threading.Thread | None = None
