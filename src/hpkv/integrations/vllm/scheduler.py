@@ -236,16 +236,17 @@ class HpkvScheduler:
                     st.where[i] = name
                 st.probe = None
             if not st.stage_started:
-                where = st.where
-                if st.cut < 0:  # the hit ends at the first gap; its chunks are kept from eviction
-                    st.cut = where.index(None) if None in where else len(where)
-                    where = where[: st.cut]
+                first_ask = st.cut < 0
+                if first_ask:  # the hit ends at the first gap; its chunks are kept from eviction
+                    st.cut = st.where.index(None) if None in st.where else len(st.where)
+                where = st.where[: st.cut]
+                if first_ask:
                     st.tiers = {t: where.count(t) for t in [MEMORY, *self.catalog.tiers] if t in where}
                     st.protected = lks[st.looked_from : st.looked_from + st.cut]
                     self.catalog.protect(st.protected)
                     if not st.staging_since:
                         st.staging_since = time.monotonic()
-                need = [lk for lk, w in zip(st.protected, where, strict=False) if w != MEMORY]
+                need = [lk for lk, w in zip(st.protected, where, strict=True) if w != MEMORY]
                 if self.catalog.short_of_room(len(need)) and not self._waited(st, ROOM_WAIT_S):
                     # Promotions that found no slot would cut the hit short, and under load the
                     # engine would recompute the rest behind the backlog holding the slots.
