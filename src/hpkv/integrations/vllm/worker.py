@@ -199,10 +199,19 @@ class HpkvWorker:
 
     def finished_loads(self) -> set[str]:
         """Requests whose async load is complete on this rank: the last part arrived and every copy
-        landed (CUDA: events queried, never waited for). Each is reported once, with its op."""
+        landed (CUDA: events). Each is reported once, with its op.
+
+        Events are only queried, except in a step that computes nothing: there a load whose last
+        part is in waits for its copies (that part's few chunks, a fraction of a millisecond each)
+        instead of being reported an empty step later. The copy stream runs the parts in order, so
+        the last part's event stands for them all."""
         done: set[str] = set()
         for op_id, st in list(self._async.items()):
-            if not st.req.last or not all(landed.query() for _, landed in st.copies):
+            if not st.req.last:
+                continue
+            if not self._computes and st.copies:
+                st.copies[-1][1].synchronize()
+            if not all(landed.query() for _, landed in st.copies):
                 continue
             del self._async[op_id]
             with self._lock:
