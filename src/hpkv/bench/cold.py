@@ -30,7 +30,7 @@ import statistics
 import tempfile
 from typing import Any
 
-from hpkv.bench.server import Server, ServerError, counter
+from hpkv.bench.server import Server, ServerError, bench_env, counter
 from hpkv.bench.ttft import model_dtype
 
 CHUNK = 256
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     valkey: Any = None
     servers: dict[str, Server] = {}
     try:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+        base = bench_env()
         cpus = sorted(os.sched_getaffinity(0))
         base.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")  # the same for both
         env = dict(base, HPKV_KV_MEM_POOL_SIZE=args.pool_size, HPKV_SHARE_MEM_FILE_PATH=shm)

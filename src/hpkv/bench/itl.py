@@ -30,7 +30,7 @@ from typing import Any
 
 from hpkv.bench.cold import fresh_prompts
 from hpkv.bench.refs import drop_page_cache
-from hpkv.bench.server import Server, ServerError, counter, read_stat, stat_cpu_seconds
+from hpkv.bench.server import Server, ServerError, bench_env, counter, read_stat, stat_cpu_seconds
 from hpkv.bench.ttft import model_dtype
 
 CHUNK = 256
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     shm = tempfile.mkdtemp(prefix="hpkv-bench-itl-", dir="/dev/shm")
     storage = os.path.join(work, "storage")
     valkey = ValkeyServers(directory=os.path.join(work, "valkey")).start()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HPKV_")}
+    env = bench_env()
     cpus = sorted(os.sched_getaffinity(0))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}-{cpus[-1]}")
     env.update(

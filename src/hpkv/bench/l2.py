@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from typing import Any
 
-from hpkv.bench.server import Server, counter
+from hpkv.bench.server import Server, bench_env, counter
 from hpkv.bench.valkey import Resp, ValkeyServers, info
 from hpkv.core.record import record_bytes
 from hpkv.tiers.memory.pool import slot_bytes
@@ -187,9 +187,7 @@ def run(args: argparse.Namespace) -> int:
             # (more than the pool holds once there are two or more) evict every chunk of the test prompt.
             slot = slot_bytes(record_bytes(kv_bytes_per_token(model) * CHUNK))
             pool = args.pool_size or str(2 * (meta["tokens"] // CHUNK) * slot)
-            env = dict(os.environ)
-            for k in [k for k in env if k.startswith("HPKV_")]:
-                del env[k]
+            env = bench_env()
             env.update(
                 {
                     "HPKV_KV_MEM_POOL_SIZE": pool,

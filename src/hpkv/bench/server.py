@@ -24,6 +24,18 @@ from hpkv.integrations.vllm.statsfile import read_all
 LOAD_LINE = re.compile(r"hpkv: Retrieved (\d+) out of .*? throughput: ([\d.]+) GB/s \(([^)]*)\)")
 
 
+# HPKV_* variables a bench's servers take from the caller's environment: how hpkv runs (its thread
+# counts, direct I/O), not where its tiers are or what it stores, which each bench sets itself. The
+# benches' references read the same variables, so a reference and the engine use one thread count.
+TUNING_ENV = ("HPKV_STORAGE_IO_THREADS", "HPKV_VALKEY_NUM_WORKERS", "HPKV_STORAGE_O_DIRECT")
+
+
+def bench_env() -> dict[str, str]:
+    """This process's environment for a bench's server: every HPKV_* variable dropped except
+    :data:`TUNING_ENV`."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("HPKV_") or k in TUNING_ENV}
+
+
 class ServerError(RuntimeError):
     pass
 

@@ -59,8 +59,9 @@ from typing import Any
 from hpkv.bench.demo_model import SIZES
 from hpkv.bench.refs import drop_page_cache, memory_reference, raw_glide_gbps, raw_read_gbps
 from hpkv.bench.report import chart, kv_bytes_per_prompt, print_comparison, print_system
-from hpkv.bench.server import Server, ServerError, first_error
+from hpkv.bench.server import Server, ServerError, bench_env, first_error
 from hpkv.bench.verify import HITS, SCENARIOS, Expect, Row, System, hpkv_deltas, verify_engine, verify_hpkv
+from hpkv.core.config import HpkvConfig
 
 CHUNK = 256
 
@@ -384,9 +385,7 @@ class Runner:
             self.server.model = json.loads(served)["data"][0]["id"]
             return True
         assert self.model is not None
-        env = dict(os.environ)
-        for k in [k for k in env if k.startswith("HPKV_")]:
-            del env[k]
+        env = bench_env()
         env.update(
             {
                 "HPKV_KV_MEM_POOL_SIZE": args.pool_size,
@@ -555,9 +554,10 @@ class Runner:
                     gbps,
                 )
             elif name == "valkey" and self.valkey is not None:
-                gbps = raw_glide_gbps(self.valkey, self.expect.chunks, workers=8)
+                workers = HpkvConfig.from_env().valkey_num_workers  # the engine's, as with storage
+                gbps = raw_glide_gbps(self.valkey, self.expect.chunks, workers=workers)
                 self.out.refs[name] = (
-                    f"raw GLIDE GET loop over {self.expect.chunks} of its keys, 8 threads",
+                    f"raw GLIDE GET loop over {self.expect.chunks} of its keys, {workers} threads",
                     gbps,
                 )
         except Exception as e:  # a reference that could not be measured is reported, not fatal
@@ -565,9 +565,7 @@ class Runner:
 
 
 def _io_threads() -> int:
-    """``HPKV_STORAGE_IO_THREADS`` as the engine reads it (the servers inherit this environment)."""
-    from hpkv.core.config import HpkvConfig
-
+    """``HPKV_STORAGE_IO_THREADS`` as the engine reads it (the servers get it: bench_env)."""
     return HpkvConfig.from_env().storage_io_threads
 
 
