@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from hpkv.bench.serve import percentile, sessions, sources, summarize
 
 
@@ -44,6 +46,26 @@ def test_summary_leaves_failed_requests_out() -> None:
     assert m["ttft_p50_ms"] == 200.0 and m["ttft_p99_ms"] < 300.0
     assert m["itl_p50_ms"] == 20.0
     assert m["e2e_p99_ms"] < 400.0
+
+
+def test_summary_gives_the_cold_first_turns_apart_from_the_revisits() -> None:
+    result = {
+        "completed": 5,
+        "failed": 1,
+        "duration": 5.0,
+        "request_throughput": 1.0,
+        "output_throughput": 8.0,
+        "ttfts": [1.0, 1.4, 9.0, 0.1, 0.05, 0.2],  # two users' first turns, then their revisits
+        "itls": [[0.01]] * 6,
+        "latencies": [1.0] * 6,
+        "errors": [None, None, None, None, "", "timeout"],
+    }
+    result["ttfts"][2], result["errors"][2] = 1.2, None
+    m = summarize(result, first_turns=3)
+    assert m["ttft_first_p50_ms"] == pytest.approx(1200.0) and m["ttft_first_max_ms"] == pytest.approx(1400.0)
+    # the failed revisit is left out: the later turns are 0.1 and 0.05 s
+    assert m["ttft_later_p50_ms"] == pytest.approx(75.0) and m["ttft_later_p99_ms"] < 100.0
+    assert m["ttft_p99_ms"] > 1300.0  # the run's p99 is a cold prompt's
 
 
 def test_sources_split_the_prompt_tokens() -> None:

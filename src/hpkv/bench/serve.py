@@ -68,10 +68,15 @@ def percentile(xs: list[float], p: float) -> float:
     return s[f] + (s[c] - s[f]) * (k - f)
 
 
-def summarize(result: dict[str, Any]) -> dict[str, float]:
-    """The numbers of one run, from vLLM's client: per-request TTFTs, inter-token gaps, latencies."""
+def summarize(result: dict[str, Any], first_turns: int = 0) -> dict[str, float]:
+    """The numbers of one run, from vLLM's client: per-request TTFTs, inter-token gaps, latencies.
+    ``first_turns``: how many requests, from the first, are first turns (cold for every system:
+    no tier holds their context yet); their TTFT and that of the later turns are also given apart,
+    since a run's p99 is often only its slowest cold prompts."""
     ok = [e is None or e == "" for e in result["errors"]]
     ttfts = [t for t, good in zip(result["ttfts"], ok, strict=True) if good]
+    first = [t for t, good in zip(result["ttfts"][:first_turns], ok, strict=False) if good]
+    later = [t for t, good in zip(result["ttfts"][first_turns:], ok[first_turns:], strict=True) if good]
     itls = [x for row, good in zip(result["itls"], ok, strict=True) if good for x in row]
     # vLLM 0.32 reports each request's latency; 0.26 does not: its first token plus the gaps after it.
     latencies = result.get("latencies") or [
@@ -87,6 +92,10 @@ def summarize(result: dict[str, Any]) -> dict[str, float]:
         **{f"ttft_p{p}_ms": percentile(ttfts, p) * 1e3 for p in (50, 90, 99)},
         **{f"itl_p{p}_ms": percentile(itls, p) * 1e3 for p in (50, 99)},
         "e2e_p99_ms": percentile(lat, 99) * 1e3,
+        "ttft_first_p50_ms": percentile(first, 50) * 1e3,
+        "ttft_first_max_ms": max(first, default=float("nan")) * 1e3,
+        "ttft_later_p50_ms": percentile(later, 50) * 1e3,
+        "ttft_later_p99_ms": percentile(later, 99) * 1e3,
     }
 
 
@@ -269,7 +278,7 @@ def one_run(
         if before is not None and after is not None:
             hp = hpkv_deltas(before, after)
             run["hpkv_tiers"] = after.get("tiers", {})
-        run["metrics"] = summarize(result)
+        run["metrics"] = summarize(result, first_turns=len({t.user for t in requests}))
         ranks = int(after.get("ranks", 1)) if after is not None else 1
         run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk, ranks)
         run["preemptions"] = engine.get("num_preemptions")  # None: this vLLM does not export it
@@ -360,6 +369,17 @@ def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         "times in ms (vLLM's client: TTFT to the first streamed token, ITL between tokens, E2E per request)"
     )
+    print(f"\n{'TTFT, ms':<25}{'first turns (cold) p50':>23}{'max':>7}{'later turns p50':>17}{'p99':>7}")
+    for r in runs:
+        if r.get("error"):
+            continue
+        m = r["metrics"]
+        if "ttft_first_p50_ms" not in m:
+            continue
+        print(
+            f"{_level_name(r['level']):<16}{r['system']:<9}{m['ttft_first_p50_ms']:>23.0f}"
+            f"{m['ttft_first_max_ms']:>7.0f}{m['ttft_later_p50_ms']:>17.0f}{m['ttft_later_p99_ms']:>7.0f}"
+        )
 
 
 def _groups(runs: list[dict[str, Any]]) -> dict[tuple[str, str], list[dict[str, Any]]]:
