@@ -8,6 +8,8 @@ import json
 import os
 from typing import Any
 
+import pytest
+
 from hpkv.bench.serve import main as serve_main
 
 
@@ -44,6 +46,14 @@ def test_revisits_are_served_by_hpkvs_tiers_with_vllm_alones_texts(
     assert hp["texts_equal_to_none"] == [8, 8]
     assert os.path.getsize(os.path.join(out, "serve.png")) > 1000
     assert "prompt tokens from" in text
+    # The cold first turns apart from the revisits: the four users' first turns are the first requests.
+    for r in (hp, none):
+        m, ttfts = r["metrics"], sorted(r["ttfts"][:4])
+        assert m["ttft_first_max_ms"] == pytest.approx(max(ttfts) * 1e3)
+        assert m["ttft_first_p50_ms"] == pytest.approx((ttfts[1] + ttfts[2]) / 2 * 1e3)
+        later = sorted(r["ttfts"][4:])
+        assert m["ttft_later_p50_ms"] == pytest.approx((later[1] + later[2]) / 2 * 1e3)
+    assert "first turns (cold)" in text
 
 
 def test_a_pool_that_holds_the_working_set_serves_revisits_from_memory(
