@@ -75,7 +75,7 @@ def summarize(result: dict[str, Any], first_turns: int = 0) -> dict[str, float]:
     since a run's p99 is often only its slowest cold prompts."""
     ok = [e is None or e == "" for e in result["errors"]]
     ttfts = [t for t, good in zip(result["ttfts"], ok, strict=True) if good]
-    first = [t for t, good in zip(result["ttfts"][:first_turns], ok, strict=False) if good]
+    first = [t for t, good in zip(result["ttfts"][:first_turns], ok[:first_turns], strict=True) if good]
     later = [t for t, good in zip(result["ttfts"][first_turns:], ok[first_turns:], strict=True) if good]
     itls = [x for row, good in zip(result["itls"], ok, strict=True) if good for x in row]
     # vLLM 0.32 reports each request's latency; 0.26 does not: its first token plus the gaps after it.
