@@ -27,7 +27,12 @@ LOAD_LINE = re.compile(r"hpkv: Retrieved (\d+) out of .*? throughput: ([\d.]+) G
 # HPKV_* variables a bench's servers take from the caller's environment: how hpkv runs (its thread
 # counts, direct I/O), not where its tiers are or what it stores, which each bench sets itself. The
 # benches' references read the same variables, so a reference and the engine use one thread count.
-TUNING_ENV = ("HPKV_STORAGE_IO_THREADS", "HPKV_VALKEY_NUM_WORKERS", "HPKV_STORAGE_O_DIRECT")
+TUNING_ENV = (
+    "HPKV_STORAGE_IO_THREADS",
+    "HPKV_VALKEY_NUM_WORKERS",
+    "HPKV_STORAGE_O_DIRECT",
+    "HPKV_STORAGE_DIRECT_WRITES",
+)
 
 
 def bench_env() -> dict[str, str]:

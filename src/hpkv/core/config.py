@@ -60,6 +60,7 @@ _SPECS: dict[str, _Spec] = {
     "salt": _Spec("HPKV_SALT", "tenant-a", "str"),
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
+    "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
     "async_load": _Spec("HPKV_ASYNC_LOAD", "true", "bool"),
@@ -131,6 +132,11 @@ class HpkvConfig:
     storage_io_threads: int = 4
     # Read chunk files with O_DIRECT where the filesystem allows (falls back to buffered reads).
     storage_o_direct: bool = True
+    # Write chunk files with O_DIRECT (their last partial page buffered): no page-cache copy of what
+    # the pool already holds, and a fraction of the CPU where the page cache's new pages are
+    # expensive (VMs whose balloon hands freed memory back to the host; scripts/probe_write.py).
+    # Later reads of such a file come from the device, not the page cache.
+    storage_direct_writes: bool = False
     # Chunks that may wait to be written to storage; beyond it a cascade write is dropped and counted.
     cascade_queue_chunks: int = 256
     # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.

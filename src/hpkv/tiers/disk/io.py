@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import mmap
 import os
 import secrets
@@ -50,16 +51,22 @@ def create_exclusive(directory: str, prefix: str) -> tuple[int, str]:
     raise FileExistsError(errno.EEXIST, "no free temporary name", directory)
 
 
-def write_atomic(path: str, data: memoryview) -> None:
+def write_atomic(path: str, data: memoryview, direct: bool = False) -> bool:
     """Write ``data`` to ``path`` through a new temp file (random name, O_EXCL|O_NOFOLLOW, mode
     0600) renamed into place (rename replaces a symlink at ``path``, never writes through it).
+
+    ``direct``: the whole pages of a page-aligned ``data`` go with O_DIRECT (no page-cache copy),
+    the last partial page buffered. Returns whether O_DIRECT was used: False when ``data`` is not
+    page-aligned or the file system refuses O_DIRECT (the write is then buffered, whole).
     Raises OSError."""
     fd, tmp = create_exclusive(os.path.dirname(path), f".{os.path.basename(path)}")
     try:
-        view = data
+        direct_bytes = done = _write_direct(fd, data) if direct else 0
+        view = data[done:]
         while view:
-            n = os.write(fd, view)
+            n = os.pwrite(fd, view, done)
             view = view[n:]
+            done += n
         os.close(fd)
         fd = -1
         os.rename(tmp, path)
@@ -69,6 +76,49 @@ def write_atomic(path: str, data: memoryview) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return direct_bytes > 0
+
+
+_direct_ok = True  # until a file system refuses O_DIRECT writes (then buffered for good)
+
+
+def _write_direct(fd: int, data: memoryview) -> int:
+    """Write the whole pages of ``data`` at offset 0 of ``fd`` with O_DIRECT (set on the descriptor
+    for these writes only). Returns the bytes written: 0 when ``data`` is not page-aligned or
+    shorter than a page, or when the file system refuses O_DIRECT."""
+    global _direct_ok
+    body = len(data) // PAGE * PAGE
+    if not _direct_ok or not body or not hasattr(os, "O_DIRECT") or _address(data) % PAGE:
+        return 0
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _direct_ok = False  # e.g. an older tmpfs
+        return 0
+    done = 0
+    try:
+        while done < body:
+            n = os.pwrite(fd, data[done:body], done)
+            if n <= 0:
+                break
+            done += n
+            if n % PAGE:
+                break  # a short direct write: the rest goes buffered from ``done``
+    finally:
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+    return done
+
+
+def _address(data: memoryview) -> int:
+    """The address of ``data``'s first byte, or 1 (never aligned) when it cannot be had without a
+    copy (a read-only or non-contiguous buffer)."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(data))
+    except (TypeError, ValueError):
+        return 1
 
 
 class Reader:

@@ -56,6 +56,7 @@ class StorageTier:
         namespace: bytes,
         *,
         o_direct: bool = True,
+        direct_writes: bool = False,
         where: str = "HPKV_KV_STORAGE_PATH",
         shared_group: bool = False,
     ) -> None:
@@ -64,6 +65,8 @@ class StorageTier:
         self.record_bytes = record.record_bytes(payload_bytes)
         self.namespace = namespace
         self._reader = Reader(o_direct)
+        self.direct_writes = direct_writes
+        self._direct_writes = 0  # records whose whole pages went with O_DIRECT
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._index = DiskIndex(capacity)
@@ -241,12 +244,12 @@ class StorageTier:
         path = self.path(key)
         try:
             try:
-                write_atomic(path, rec)
+                direct = write_atomic(path, rec, self.direct_writes)
             except FileNotFoundError:
                 self._recreate()  # the directory vanished under us: make it again, try once more
                 with self._lock:
                     self._index.add(key, len(rec))
-                write_atomic(path, rec)
+                direct = write_atomic(path, rec, self.direct_writes)
         except OSError as e:
             with self._lock:
                 self._index.remove(key)
@@ -256,6 +259,9 @@ class StorageTier:
                 return False
             raise
         self._stats.add("writes")
+        if direct:
+            with self._lock:
+                self._direct_writes += 1
         self._stats.add("bytes_written", self.payload_bytes)
         return True
 
@@ -298,6 +304,7 @@ class StorageTier:
             chunks=count,
             o_direct=int(self._reader.direct),
             page_cache_reads=self._reader.cached_reads,
+            direct_writes=self._direct_writes,
         )
 
     def count(self, name: str, n: int = 1) -> None:
@@ -377,6 +384,7 @@ def from_config(config: HpkvConfig, payload_bytes: int, rank_digests: list[bytes
                 payload_bytes,
                 d,
                 o_direct=config.storage_o_direct,
+                direct_writes=config.storage_direct_writes,
                 where=config.where("storage_path"),
                 shared_group=config.shared_group,
             )
