@@ -50,3 +50,13 @@ def test_quiet_waits_while_the_server_group_burns_cpu_and_not_after() -> None:
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_role_is_kv_both_or_kv_consumer() -> None:
+    """``--role kv_consumer`` (lookups only) is how the lookup's cost is told from the write-behind's;
+    any other role is refused before a server starts."""
+    from hpkv.bench.cold import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--role", "kv_producer"])
+    assert e.value.code == 2

@@ -56,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         "--pairs", type=int, default=1, help="fresh server pairs, one after another, start order alternating"
     )
     ap.add_argument("--tiers", default="memory,storage,valkey", help="hpkv's tiers, of memory,storage,valkey")
+    ap.add_argument(
+        "--role",
+        default="kv_both",
+        choices=("kv_both", "kv_consumer"),
+        help="hpkv's kv_role: kv_both stores every prompt; kv_consumer only looks up (with valkey: the "
+        "remote existence check of every cold prompt) and stores nothing, which separates the lookup's "
+        "cost from the write-behind's",
+    )
     ap.add_argument("--pool-size", default="2G")
     ap.add_argument("--port", type=int, default=8351)
     ap.add_argument("--out", default="out/bench-cold")
@@ -108,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     os.path.join(args.out, f"vllm-{name}.log"),
                     connector_json=conn,
                     vllm_args=vargs,
+                    kv_role=args.role if name == "hpkv" else "kv_both",
                 )
             for name in order0:  # one after the other: starting competes for the CPU
                 print(f"[pair {pair}, {name}] starting vLLM (log: {servers[name].log_path})", flush=True)
@@ -130,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                         stored = counter(after, "connector", "stored_tokens") - counter(
                             before or {}, "connector", "stored_tokens"
                         )
-                        want = args.prompts * (args.tokens // CHUNK) * CHUNK
+                        want = args.prompts * (args.tokens // CHUNK) * CHUNK if args.role == "kv_both" else 0
                         if stored != want:
                             invalid.append(f"round {r}: hpkv stored {stored} of {want} tokens")
                     # Both alike: the next system starts once this one has gone quiet (vLLM's
@@ -150,9 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                 for s in servers.values():
                     s.stop()
         tiers_of = servers["hpkv"].settled_stats().get("tiers", {})
-        report = report_rounds(
-            per_round, args, invalid, ",".join(sorted(t for t in tiers_of if "." not in t))
-        )
+        where = ",".join(sorted(t for t in tiers_of if "." not in t))
+        if args.role == "kv_consumer":
+            where = f"nothing (kv_consumer: it only looks up in {where})"
+        report = report_rounds(per_round, args, invalid, where)
         print(report["text"])
         with open(os.path.join(args.out, "cold.json"), "w") as f:
             json.dump({k: v for k, v in report.items() if k != "text"} | {"requests": rows}, f, indent=1)
