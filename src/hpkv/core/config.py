@@ -62,6 +62,7 @@ _SPECS: dict[str, _Spec] = {
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
+    "write_behind": _Spec("HPKV_WRITE_BEHIND", "idle", "choice"),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
     "async_load": _Spec("HPKV_ASYNC_LOAD", "true", "bool"),
     "shared_group": _Spec("HPKV_SHARED_GROUP", "true", "bool"),
@@ -80,7 +81,10 @@ _SPECS: dict[str, _Spec] = {
     "connection_timeout": _Spec("HPKV_VALKEY_CONNECTION_TIMEOUT", "10.0", "float", minimum=0, maximum=3600),
 }
 
-_CHOICES: dict[str, tuple[str, ...]] = {"valkey_mode": ("standalone", "cluster")}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "valkey_mode": ("standalone", "cluster"),
+    "write_behind": ("auto", "idle", "immediate"),
+}
 REMOTE_SCHEMES = ("valkey", "redis", "valkeys", "rediss")
 
 # YAML / extra_config names that mean the same as a field (LMCache and the
@@ -139,6 +143,11 @@ class HpkvConfig:
     storage_direct_writes: bool = False
     # Chunks that may wait to be written to storage; beyond it a cascade write is dropped and counted.
     cascade_queue_chunks: int = 256
+    # vLLM: when the write-behind sends new chunks to storage and Valkey. "idle": while no computing
+    # step is in flight (or at once when the queued writes hold half the pool's slots); "immediate": as
+    # soon as they are in memory; "auto": idle on the CPU build (the model and hpkv share its cores),
+    # immediate on a GPU.
+    write_behind: str = "auto"
     # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.
     layerwise_load: bool = False
     # vLLM: a hit that needs storage or Valkey is loaded asynchronously (vLLM's async KV load): each

@@ -61,6 +61,12 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
+def defer_writes(write_behind: str, cpu: bool) -> bool:
+    """Whether the write-behind waits for the engine's idle time (``HPKV_WRITE_BEHIND``): "auto" does
+    on the CPU build, where the model and hpkv's threads share the cores."""
+    return write_behind == "idle" or (write_behind == "auto" and cpu)
+
+
 class HpkvConnectorV1(KVConnectorBase_V1):
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -90,8 +96,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 self.block_size,
                 load=ktc.is_kv_consumer,
                 store=ktc.is_kv_producer,
-                # On the CPU build the model and hpkv's threads share the cores.
-                defer_cascade=current_platform.is_cpu(),
+                defer_cascade=defer_writes(self.config.write_behind, current_platform.is_cpu()),
                 adopt_pools=[
                     _start_pool_path(vllm_config, self.config, self.namespace, r, worker=False)
                     for r in range(self.namespace.world_size)
