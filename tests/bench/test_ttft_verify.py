@@ -170,6 +170,12 @@ LOG = (
     _load_line(63, 2.2355, "memory: 1 chunks")
     + _load_line(8191, 49.4516, "memory: 32 chunks")
     + _load_line(8191, 47.9389, "storage: 32 chunks; async, 41.0 ms from the lookup to now")
+    + _load_line(
+        8191,
+        37.4028,
+        "storage: 32 chunks; async, 9 parts, the last enqueued 23.5 ms after the lookup, its copies 2.1 ms; "
+        "31.3 ms from the lookup to now",
+    )
     + _load_line(8191, 34.0897, "memory: 32 chunks")
 )
 

@@ -45,6 +45,8 @@ class _AsyncLoad:
     failed: bool = False  # a chunk failed its header check here
     copies: list[Any] = field(default_factory=list)  # CUDA: (began, landed) events per part
     t0: float = 0.0  # CPU: perf_counter of the first copy
+    parts: int = 0  # parts received
+    last_sent: float = 0.0  # monotonic time the last part's copies were enqueued
 
 
 class HpkvWorker:
@@ -196,6 +198,9 @@ class HpkvWorker:
         copies = self.mover.load_async(items)
         if copies is not None:
             st.copies.append(copies)
+        st.parts += 1
+        if req.last:
+            st.last_sent = time.monotonic()
 
     def finished_loads(self) -> set[str]:
         """Requests whose async load is complete on this rank: the last part arrived and every copy
@@ -218,11 +223,19 @@ class HpkvWorker:
                 self._results[op_id] = (0, 1) if st.failed else (1, 0)
             done.add(st.req.req_id)
             if self.rank == 0 and st.loaded:
+                last = ""
                 if st.copies:  # the device's span from the first copy to the last, waits between included
                     took = float(st.copies[0][0].elapsed_time(st.copies[-1][1])) / 1e3
+                    last = f", its copies {st.copies[-1][0].elapsed_time(st.copies[-1][1]):.1f} ms"
                 else:
                     took = time.perf_counter() - st.t0
-                self._log_load(st.req, st.loaded, took, since=st.req.since)
+                detail = ""
+                if st.req.since and st.last_sent:  # where the tail after the reads goes
+                    detail = (
+                        f"{st.parts} parts, the last enqueued "
+                        f"{(st.last_sent - st.req.since) * 1e3:.1f} ms after the lookup{last}; "
+                    )
+                self._log_load(st.req, st.loaded, took, since=st.req.since, detail=detail)
         return done
 
     def _plan_load(
@@ -260,14 +273,16 @@ class HpkvWorker:
                 self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
         return loaded
 
-    def _log_load(self, req: LoadRequest, loaded: int, dt: float, since: float = 0.0) -> None:
+    def _log_load(
+        self, req: LoadRequest, loaded: int, dt: float, since: float = 0.0, detail: str = ""
+    ) -> None:
         # This rank's bytes over this rank's time: with tensor parallelism every rank copies its
         # own shard on its own link, and only rank 0 logs.
         gb = loaded * self.ns.layout.token_bytes / 1e9
         tiers = ", ".join(f"{k}: {v} chunks" for k, v in sorted(req.tiers.items()) if v)
         extra = ""
         if since:  # an async load: its copies overlapped the tier reads; say the whole wait too
-            extra = f"; async, {(time.monotonic() - since) * 1e3:.1f} ms from the lookup to now"
+            extra = f"; async, {detail}{(time.monotonic() - since) * 1e3:.1f} ms from the lookup to now"
         log.info(
             "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
             "cost %.4f ms, throughput: %.4f GB/s (%s%s)" + self._shard,
