@@ -296,3 +296,35 @@ def test_direct_writes_are_off_by_default(storage_dir: str) -> None:
     t = StorageTier(storage_dir, 1 << 30, 3 * 4096, NS)
     assert t.write(k(3), _aligned_rec(k(3), 3 * 4096))
     assert t.stats()["direct_writes"] == 0
+
+
+def test_a_direct_write_the_device_refuses_goes_buffered(
+    storage_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device that refuses a direct write's alignment (EINVAL: injected, no device here does it on
+    demand) costs the record nothing: the rest is written buffered, exactly."""
+    import fcntl
+
+    from hpkv.tiers.disk import io
+
+    real = os.pwrite
+    refused = []
+
+    def pwrite(fd: int, data: object, offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(io.os, "pwrite", pwrite)
+    payload = 3 * 4096 + 1000
+    t = StorageTier(storage_dir, 1 << 30, payload, NS, direct_writes=True)
+    src = _aligned_rec(k(8), payload)
+    assert t.write(k(8), src)
+    with open(t.path(k(8)), "rb") as f:
+        assert f.read() == bytes(src)
+    assert t.stats()["direct_writes"] == 0
+    assert t.stats()["errors"] == 0
+    if _direct_supported(os.path.join(storage_dir, "v1")):
+        assert refused == [0]  # the direct write was tried, refused, and the record went buffered
+        assert io._direct_ok  # one refused write does not turn direct writes off for good

@@ -101,7 +101,12 @@ def _write_direct(fd: int, data: memoryview) -> int:
     done = 0
     try:
         while done < body:
-            n = os.pwrite(fd, data[done:body], done)
+            try:
+                n = os.pwrite(fd, data[done:body], done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                break  # an alignment this device will not take: the rest goes buffered
             if n <= 0:
                 break
             done += n
