@@ -20,19 +20,12 @@ def test_chunk_size_must_be_a_multiple_of_the_engine_block_size(tmp_path: object
         HpkvScheduler(cfg, ns, 64, load=True, store=True)
 
 
-def test_write_behind_waits_for_idle_time_on_the_cpu_build_unless_told() -> None:
-    """HPKV_WRITE_BEHIND: "auto" holds the write-behind while the engine computes on the CPU build
-    only; "idle" and "immediate" say so on either."""
+def test_write_behind_waits_for_idle_time_unless_told() -> None:
+    """HPKV_WRITE_BEHIND: "auto" (the default) and "idle" hold the write-behind while the engine
+    computes, on the CPU build and on a GPU; "immediate" writes at once."""
     from hpkv.integrations.vllm.connector import defer_writes
 
-    for setting, cpu, want in [
-        ("auto", True, True),
-        ("auto", False, False),
-        ("idle", False, True),
-        ("idle", True, True),
-        ("immediate", True, False),
-        ("immediate", False, False),
-    ]:
-        assert defer_writes(setting, cpu) is want, (setting, cpu)
+    for setting, want in [("auto", True), ("idle", True), ("immediate", False)]:
+        assert defer_writes(setting) is want, setting
     assert HpkvConfig.load({}, env={"HPKV_WRITE_BEHIND": "Idle"}).write_behind == "idle"
     assert HpkvConfig.load({}, env={}).write_behind == "auto"

@@ -61,10 +61,11 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
-def defer_writes(write_behind: str, cpu: bool) -> bool:
-    """Whether the write-behind waits for the engine's idle time (``HPKV_WRITE_BEHIND``): "auto" does
-    on the CPU build, where the model and hpkv's threads share the cores."""
-    return write_behind == "idle" or (write_behind == "auto" and cpu)
+def defer_writes(write_behind: str) -> bool:
+    """Whether the write-behind waits for the engine's idle time (``HPKV_WRITE_BEHIND``): "auto" does,
+    on the CPU build and on a GPU alike. On the H200 the writes to valkey during a computing step cost
+    a cold prefill about 1% more than held ones (BENCHMARKS, thirteenth session)."""
+    return write_behind != "immediate"
 
 
 class HpkvConnectorV1(KVConnectorBase_V1):
@@ -88,7 +89,6 @@ class HpkvConnectorV1(KVConnectorBase_V1):
             # A cache miss must never fail a request: recompute what could not be loaded.
             if ktc.kv_load_failure_policy != "recompute":
                 ktc.kv_load_failure_policy = "recompute"
-            from vllm.platforms import current_platform
 
             self._scheduler = HpkvScheduler(
                 self.config,
@@ -96,7 +96,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 self.block_size,
                 load=ktc.is_kv_consumer,
                 store=ktc.is_kv_producer,
-                defer_cascade=defer_writes(self.config.write_behind, current_platform.is_cpu()),
+                defer_cascade=defer_writes(self.config.write_behind),
                 adopt_pools=[
                     _start_pool_path(vllm_config, self.config, self.namespace, r, worker=False)
                     for r in range(self.namespace.world_size)

@@ -115,7 +115,7 @@ class HpkvScheduler:
         defer_cascade: bool = False,
         adopt_pools: list[str | None] | None = None,
     ) -> None:
-        """``defer_cascade``: the model runs on the CPU, sharing its cores with hpkv's tier work:
+        """``defer_cascade`` (``HPKV_WRITE_BEHIND``, see connector.defer_writes): the
         write-behind waits for idle time (see :meth:`Catalog.step_scheduled`). ``adopt_pools``: per
         rank, the pool file its worker made at start, if it did (see connector.py)."""
         if config.chunk_size % block_size:
