@@ -170,6 +170,10 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
     # -- scheduler side ------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        if self._scheduler is not None:
+            self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

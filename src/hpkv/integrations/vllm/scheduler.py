@@ -50,6 +50,10 @@ IDLE_WAIT_S = 0.02
 # spinning in Python, 4 I/O threads staged at 3.0 GB/s instead of 15.0 on the H200's host:
 # scripts/gpu/probe_stage.py). After the first arrival the step gathers the others for this long.
 ASYNC_GATHER_S = 0.005
+# A remote tier's existence check starts when vLLM hands hpkv a new request (on_new_request), so a request
+# that waited in vLLM's queue finds the answer in at its first lookup instead of waiting one more step for
+# it. An answer older than this is asked again at the lookup: another engine may have stored the chunks since.
+EARLY_PROBE_FRESH_S = 2.0
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 STATS_REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
 PENDING_OPS_MAX_S = 60.0
@@ -73,6 +77,9 @@ class _Req:
     looked_from: int = 0
     probe: Future[list[str | None]] | None = None  # the remote tiers' answer for the local gaps
     probe_at: list[int] = field(default_factory=list)
+    early_probe: Future[list[str | None]] | None = None  # asked at arrival, for the chunks at early_gaps
+    early_gaps: list[int] = field(default_factory=list)
+    early_since: float = 0.0
     cut: int = -1  # chunks of the hit (from looked_from), once cut at the first gap
     waited_for_room: bool = False
     stage_started: bool = False
@@ -149,6 +156,7 @@ class HpkvScheduler:
             "skipped_requests": 0,
             "stores_skipped_pool_full": 0,
             "lookups_waited_for_room": 0,
+            "remote_checks_at_arrival": 0,  # lookups that used the existence check made at arrival
         }
         self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
@@ -195,6 +203,50 @@ class HpkvScheduler:
             self._reqs[req_id] = st
         return st
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM added the request to its queue: ask the remote tiers now about the chunks the local
+        ones lack (on a thread; never waits), so the first lookup can use the answer."""
+        if not self.load_enabled or not self.catalog.has_remote:
+            return
+        st = self._state(request)
+        if not st.lks or st.where is not None or st.early_probe is not None:
+            return
+        where = self.catalog.locate_local(st.lks, st.tenant)
+        gaps = [i for i, w in enumerate(where) if w is None]
+        if gaps:
+            st.early_gaps, st.early_since = gaps, time.monotonic()
+            st.early_probe = self.catalog.probe_remote([st.lks[i] for i in gaps], st.tenant)
+
+    def _early_answer(self, st: _Req, chunks: list[int]) -> Future[list[str | None]] | None:
+        """The arrival's existence check for ``chunks`` (indexes into the prompt's chunks), if it
+        asked about all of them and is recent; it is used once."""
+        early, st.early_probe = st.early_probe, None
+        if early is None or time.monotonic() - st.early_since > EARLY_PROBE_FRESH_S:
+            return None
+        at = {c: j for j, c in enumerate(st.early_gaps)}
+        if any(c not in at for c in chunks):  # a chunk left the local tiers since: ask again
+            return None
+        self._counters["remote_checks_at_arrival"] += 1
+
+        def pick(f: Future[list[str | None]]) -> list[str | None]:
+            names = f.result()
+            return [names[at[c]] for c in chunks]
+
+        if early.done():
+            out: Future[list[str | None]] = Future()
+            out.set_result(pick(early))
+            return out
+        out = Future()
+
+        def settle(f: Future[list[str | None]]) -> None:
+            try:
+                out.set_result(pick(f))
+            except Exception:  # cancelled or failed: absent, as a failed check answers
+                out.set_result([None] * len(chunks))
+
+        early.add_done_callback(settle)
+        return out
+
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """How many tokens past ``num_computed`` hpkv can load; ``None`` = ask again next step.
 
@@ -226,8 +278,11 @@ class HpkvScheduler:
                 gaps = [i for i, w in enumerate(st.where) if w is None]
                 if gaps and self.catalog.has_remote:
                     st.probe_at = gaps
-                    st.probe = self.catalog.probe_remote([lks[first + i] for i in gaps], st.tenant)
+                    st.probe = self._early_answer(st, [first + i for i in gaps]) or self.catalog.probe_remote(
+                        [lks[first + i] for i in gaps], st.tenant
+                    )
                     st.staging_since = time.monotonic()
+                st.early_probe = None
             if st.probe is not None:
                 if not st.probe.done() and not self._gave_up(st):
                     return None, False
