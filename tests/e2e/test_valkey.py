@@ -56,6 +56,8 @@ def test_restart_with_memory_and_storage_emptied_is_a_valkey_hit(
     c = Counters(server)
     cold = text(server, p)
     assert c.delta("connector", "stored_tokens") == 4 * CHUNK
+    # vLLM handed the request over on arrival (on_new_request): the lookup used that existence check.
+    assert c.delta("connector", "remote_checks_at_arrival") == 1
     wait_for(lambda: server.hpkv_stats()["tiers"]["valkey"]["writes"] >= 4, what="valkey writes")
     assert sum(valkey.key_counts()) == 4
 
@@ -67,6 +69,7 @@ def test_restart_with_memory_and_storage_emptied_is_a_valkey_hit(
     assert text(server, p) == cold
     # The lookup's one batched EXISTS and one GET per chunk (TP 1): both count as keyspace hits.
     assert valkey.keyspace_hits() - hits == 8
+    assert c.delta("connector", "remote_checks_at_arrival") == 1  # no second check
     assert c.delta("valkey", "hits") == 4
     assert c.delta("storage", "hits") == 0
     assert c.delta("connector", "loaded_tokens") == 4 * CHUNK
