@@ -525,7 +525,7 @@ def test_a_request_that_waited_in_the_queue_is_answered_at_its_first_lookup(
         sim.s.on_new_request(req)
     assert sent == [8, 4]  # every chunk the local tiers lack, asked at arrival
     for req in (miss, hit):  # while the requests wait in vLLM's queue
-        sim.s._reqs[req.request_id].early_probe.result(5)
+        sim.s._reqs[req.request_id].arrival.answer.result(5)
     misses0 = valkey_server.keyspace_misses()
     assert sim.s.get_num_new_matched_tokens(miss, 0) == (0, False)
     assert sim.s.get_num_new_matched_tokens(hit, 0) == (4 * CHUNK, True)
@@ -539,31 +539,31 @@ def test_an_arrival_answer_that_is_old_or_misses_a_chunk_is_asked_again(
     make_sim: Any, valkey_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another engine may store the chunks after the arrival's check, and a chunk may leave the
-    local tiers meanwhile: an answer older than EARLY_PROBE_FRESH_S, or one that did not cover a
+    local tiers meanwhile: an answer older than arrival.FRESH_S, or one that did not cover a
     chunk the lookup now lacks, is not used; the lookup asks again."""
-    from hpkv.integrations.vllm import scheduler
+    from hpkv.integrations.vllm import arrival
 
     sim = make_sim(
         storage_path=None, remote_url=valkey_server.url, request_timeout=2.0, connection_timeout=2.0
     )
     sent = spy_probes(sim, monkeypatch)
-    monkeypatch.setattr(scheduler, "EARLY_PROBE_FRESH_S", 0.0)
+    monkeypatch.setattr(arrival, "FRESH_S", 0.0)
     old = sim.request("old", prompt(2, seed=33))
     sim.s.on_new_request(old)
-    sim.s._reqs["old"].early_probe.result(5)
+    sim.s._reqs["old"].arrival.answer.result(5)
     time.sleep(0.01)
     assert sim.lookup(old) is None  # asked again
     assert sim.lookup_settled(old) == 0 and sent == [2, 2]
     assert sim.counters()["remote_checks_at_arrival"] == 0
     sim.s.request_finished(old)
 
-    monkeypatch.setattr(scheduler, "EARLY_PROBE_FRESH_S", 2.0)
+    monkeypatch.setattr(arrival, "FRESH_S", 2.0)
     tokens = prompt(2, seed=34)
     assert sim.cold("stored", tokens) == 2  # in memory, and in valkey once flushed
     del sent[:]
     left = sim.request("left", tokens)
     sim.s.on_new_request(left)
-    assert sim.s._reqs["left"].early_probe is None and sent == []  # memory held every chunk
+    assert sim.s._reqs["left"].arrival is None and sent == []  # memory held every chunk
     sim.s.reset_cache()  # they leave memory before the lookup
     assert sim.lookup(left) is None and sent == [2]
     assert sim.lookup_settled(left) == 2 * CHUNK  # found in valkey, promoted

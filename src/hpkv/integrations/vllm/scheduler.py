@@ -12,19 +12,20 @@ import logging
 import threading
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
-from hpkv.core.keys import SHARED_TENANT, Namespace
+from hpkv.core.keys import Namespace
 from hpkv.core.procs import name_os_thread
 from hpkv.engine.catalog import MEMORY, Catalog
 from hpkv.engine.reads import staged_line
+from hpkv.integrations.vllm.arrival import ArrivalCheck
 from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.poolfull import PoolFullLog
+from hpkv.integrations.vllm.reqstate import Op, ReqState
 from hpkv.integrations.vllm.statsfile import StatsFile
 
 if TYPE_CHECKING:
@@ -50,64 +51,10 @@ IDLE_WAIT_S = 0.02
 # spinning in Python, 4 I/O threads staged at 3.0 GB/s instead of 15.0 on the H200's host:
 # scripts/gpu/probe_stage.py). After the first arrival the step gathers the others for this long.
 ASYNC_GATHER_S = 0.005
-# A remote tier's existence check starts when vLLM hands hpkv a new request (on_new_request), so a request
-# that waited in vLLM's queue finds the answer in at its first lookup instead of waiting one more step for
-# it. An answer older than this is asked again at the lookup: another engine may have stored the chunks since.
-EARLY_PROBE_FRESH_S = 2.0
 STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
 STATS_REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
 PENDING_OPS_MAX_S = 60.0
 POOL_FULL_LOG_S = 30.0  # at most one "pool full, chunks not stored" warning per this many seconds
-
-
-@dataclass
-class _Req:
-    lks: list[bytes]  # empty when hpkv does not touch the request (see identity.py)
-    prompt_len: int
-    tenant: str = SHARED_TENANT
-    block_ids: list[int] = field(default_factory=list)
-    next_store: int = 0
-    lease: list[int] = field(default_factory=list)  # pinned slots of chunks [lease_first, ...)
-    lease_first: int = 0
-    load_start: int = 0
-    load_tokens: int = 0
-    pending_load: bool = False
-    # The lookup, in the order it happens (never waiting: see get_num_new_matched_tokens):
-    where: list[str | None] | None = None  # tier per chunk from looked_from on (None: no tier)
-    looked_from: int = 0
-    probe: Future[list[str | None]] | None = None  # the remote tiers' answer for the local gaps
-    probe_at: list[int] = field(default_factory=list)
-    early_probe: Future[list[str | None]] | None = None  # asked at arrival, for the chunks at early_gaps
-    early_gaps: list[int] = field(default_factory=list)
-    early_since: float = 0.0
-    cut: int = -1  # chunks of the hit (from looked_from), once cut at the first gap
-    waited_for_room: bool = False
-    stage_started: bool = False
-    staging: list[Future[bool]] = field(default_factory=list)
-    staging_since: float = 0.0
-    staged: bool = False
-    tiers: dict[str, int] = field(default_factory=dict)
-    protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
-    # vLLM's async load (a hit that needs a slower tier, config.async_load): the hit's end in
-    # tokens once answered; the chunks not yet sent to the workers (index, their promotion or None
-    # for a chunk in memory); the load op from allocation until every rank reported it.
-    async_hit: int = 0
-    async_wait: list[tuple[int, Future[bool] | None]] = field(default_factory=list)
-    async_op: int = 0
-    finished: bool = False  # vLLM finished (aborted) the request while its async load was in flight
-
-
-@dataclass
-class _Op:
-    kind: str  # "load" | "store"
-    slots: list[int]
-    lk: bytes = b""
-    remaining: int = 0
-    failed: bool = False
-    tokens: int = 0
-    tenant: str = SHARED_TENANT
-    req_id: str = ""
-    since: float = field(default_factory=time.monotonic)
 
 
 class HpkvScheduler:
@@ -140,9 +87,9 @@ class HpkvScheduler:
         self.catalog = Catalog(config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools)
         self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
         self.world_size = namespace.world_size
-        self._reqs: dict[str, _Req] = {}
-        self._async: dict[str, _Req] = {}  # async loads whose last part is still to be sent
-        self._ops: dict[int, _Op] = {}
+        self._reqs: dict[str, ReqState] = {}
+        self._async: dict[str, ReqState] = {}  # async loads whose last part is still to be sent
+        self._ops: dict[int, Op] = {}
         self._next_op = 1
         self._pending_store: set[bytes] = set()
         self._attached = 0  # worker ranks that have mapped their pool file
@@ -175,7 +122,7 @@ class HpkvScheduler:
 
     # -- lookup ----------------------------------------------------------------------
 
-    def _state(self, request: Request) -> _Req:
+    def _state(self, request: Request) -> ReqState:
         """The request's state, created on first sight (keys are hashed once per request), keyed by
         everything the engine keys its own cache by (tokens, LoRA, multimodal inputs, cache_salt,
         prompt embeddings)."""
@@ -190,62 +137,27 @@ class HpkvScheduler:
                 lks: list[bytes] = []
             else:
                 lks = self.catalog.keys(prompt, seed=ident.seed, extras=ident.extras)
-            st = _Req(lks=lks, prompt_len=len(prompt), tenant=ident.tenant)
+            st = ReqState(lks=lks, prompt_len=len(prompt), tenant=ident.tenant)
             self._reqs[request.request_id] = st
         return st
 
-    def _seen(self, req_id: str, prompt: list[int] | None) -> _Req:
+    def _seen(self, req_id: str, prompt: list[int] | None) -> ReqState:
         """State of a request scheduled without a lookup first: what vLLM passes to the step
         (NewRequestData) lacks cache_salt, so such a request cannot be keyed and is not touched."""
         st = self._reqs.get(req_id)
         if st is None:
-            st = _Req(lks=[], prompt_len=len(prompt or []))
+            st = ReqState(lks=[], prompt_len=len(prompt or []))
             self._reqs[req_id] = st
         return st
 
     def on_new_request(self, request: Request) -> None:
-        """vLLM added the request to its queue: ask the remote tiers now about the chunks the local
-        ones lack (on a thread; never waits), so the first lookup can use the answer."""
+        """vLLM queued the request: ask the remote tiers now about the chunks the local ones lack,
+        so the first lookup can use the answer (see arrival.py)."""
         if not self.load_enabled or not self.catalog.has_remote:
             return
         st = self._state(request)
-        if not st.lks or st.where is not None or st.early_probe is not None:
-            return
-        where = self.catalog.locate_local(st.lks, st.tenant)
-        gaps = [i for i, w in enumerate(where) if w is None]
-        if gaps:
-            st.early_gaps, st.early_since = gaps, time.monotonic()
-            st.early_probe = self.catalog.probe_remote([st.lks[i] for i in gaps], st.tenant)
-
-    def _early_answer(self, st: _Req, chunks: list[int]) -> Future[list[str | None]] | None:
-        """The arrival's existence check for ``chunks`` (indexes into the prompt's chunks), if it
-        asked about all of them and is recent; it is used once."""
-        early, st.early_probe = st.early_probe, None
-        if early is None or time.monotonic() - st.early_since > EARLY_PROBE_FRESH_S:
-            return None
-        at = {c: j for j, c in enumerate(st.early_gaps)}
-        if any(c not in at for c in chunks):  # a chunk left the local tiers since: ask again
-            return None
-        self._counters["remote_checks_at_arrival"] += 1
-
-        def pick(f: Future[list[str | None]]) -> list[str | None]:
-            names = f.result()
-            return [names[at[c]] for c in chunks]
-
-        if early.done():
-            out: Future[list[str | None]] = Future()
-            out.set_result(pick(early))
-            return out
-        out = Future()
-
-        def settle(f: Future[list[str | None]]) -> None:
-            try:
-                out.set_result(pick(f))
-            except Exception:  # cancelled or failed: absent, as a failed check answers
-                out.set_result([None] * len(chunks))
-
-        early.add_done_callback(settle)
-        return out
+        if st.lks and st.where is None and st.arrival is None:
+            st.arrival = ArrivalCheck.start(self.catalog, st.lks, st.tenant)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """How many tokens past ``num_computed`` hpkv can load; ``None`` = ask again next step.
@@ -276,13 +188,15 @@ class HpkvScheduler:
                 st.looked_from = first
                 self.catalog.count_miss(sum(w != MEMORY for w in st.where))
                 gaps = [i for i, w in enumerate(st.where) if w is None]
+                arrival, st.arrival = st.arrival, None  # used once
                 if gaps and self.catalog.has_remote:
                     st.probe_at = gaps
-                    st.probe = self._early_answer(st, [first + i for i in gaps]) or self.catalog.probe_remote(
-                        [lks[first + i] for i in gaps], st.tenant
-                    )
+                    st.probe = arrival.answer_for([first + i for i in gaps]) if arrival else None
+                    if st.probe is not None:
+                        self._counters["remote_checks_at_arrival"] += 1
+                    else:
+                        st.probe = self.catalog.probe_remote([lks[first + i] for i in gaps], st.tenant)
                     st.staging_since = time.monotonic()
-                st.early_probe = None
             if st.probe is not None:
                 if not st.probe.done() and not self._gave_up(st):
                     return None, False
@@ -340,7 +254,7 @@ class HpkvScheduler:
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, False
 
-    def _answer_async(self, st: _Req, num_computed: int) -> tuple[int, bool]:
+    def _answer_async(self, st: ReqState, num_computed: int) -> tuple[int, bool]:
         """The hit needs storage or valkey: answer it now, as vLLM's async load, while its chunks
         are promoted; each is sent to the workers as soon as it is in memory (see
         :meth:`_async_part`), so the reads of later chunks overlap the copies of earlier ones."""
@@ -364,7 +278,7 @@ class HpkvScheduler:
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, True
 
-    def _end_async(self, st: _Req) -> None:
+    def _end_async(self, st: ReqState) -> None:
         st.async_hit, st.async_wait, st.staging = 0, [], []
         self._unprotect(st)
 
@@ -380,7 +294,7 @@ class HpkvScheduler:
             st.block_ids = list(blocks.get_block_ids()[0])
             st.load_tokens = min(st.load_tokens, num_external)
             st.async_op = self._new_op(
-                _Op("load", [], remaining=self.world_size, tokens=st.load_tokens, req_id=request.request_id)
+                Op("load", [], remaining=self.world_size, tokens=st.load_tokens, req_id=request.request_id)
             )
             self._async[request.request_id] = st
             st.next_store = max(st.next_store, (st.load_start + st.load_tokens) // self.chunk_size)
@@ -422,7 +336,7 @@ class HpkvScheduler:
         self.stats_file.write(self.stats)
         return meta
 
-    def _async_part(self, req_id: str, st: _Req) -> LoadRequest | None:
+    def _async_part(self, req_id: str, st: ReqState) -> LoadRequest | None:
         """This step's part of an async load (see async_parts.py); the last part goes out once no
         chunk is awaited; None when there is nothing new."""
         op = self._ops[st.async_op]
@@ -470,7 +384,7 @@ class HpkvScheduler:
             since=st.staging_since,
         )
 
-    def _plan(self, meta: HpkvMeta, req_id: str, st: _Req, computed_after: int) -> None:
+    def _plan(self, meta: HpkvMeta, req_id: str, st: ReqState, computed_after: int) -> None:
         C, bs = self.chunk_size, self.block_size
         per_chunk = C // bs
         if st.pending_load:
@@ -484,7 +398,7 @@ class HpkvScheduler:
                     continue
                 blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
                 chunks.append(ChunkLoad(slot, st.lks[j], blocks, lo - j * C, hi - lo))
-            op = self._new_op(_Op("load", st.lease, remaining=self.world_size, tokens=st.load_tokens))
+            op = self._new_op(Op("load", st.lease, remaining=self.world_size, tokens=st.load_tokens))
             meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.tiers))
             st.lease = []  # now owned by the op, released when every rank has copied
             st.next_store = max(st.next_store, end // C)
@@ -504,12 +418,12 @@ class HpkvScheduler:
                 continue
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
             op = self._new_op(
-                _Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C, tenant=st.tenant)
+                Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C, tenant=st.tenant)
             )
             self._pending_store.add(lk)
             meta.stores.append(StoreChunk(op, reserved, lk, blocks))
 
-    def _new_op(self, op: _Op) -> int:
+    def _new_op(self, op: Op) -> int:
         op_id = self._next_op
         self._next_op += 1
         self._ops[op_id] = op
@@ -587,11 +501,11 @@ class HpkvScheduler:
         log.info("hpkv: memory pool cleared (reset_external)")
         return True
 
-    def _gave_up(self, st: _Req) -> bool:
+    def _gave_up(self, st: ReqState) -> bool:
         """The request's tier I/O has taken too long: settle for what has arrived."""
         return self._waited(st, STAGE_GIVE_UP_S)
 
-    def _waited(self, st: _Req, limit: float) -> bool:
+    def _waited(self, st: ReqState, limit: float) -> bool:
         return bool(st.staging_since) and time.monotonic() - st.staging_since > limit
 
     def _idle_wait(self) -> None:
@@ -607,12 +521,12 @@ class HpkvScheduler:
             if done and rest:
                 wait(rest, timeout=ASYNC_GATHER_S, return_when=ALL_COMPLETED)
 
-    def _unprotect(self, st: _Req) -> None:
+    def _unprotect(self, st: ReqState) -> None:
         if st.protected:
             self.catalog.unprotect(st.protected)
             st.protected = []
 
-    def _release_lease(self, st: _Req) -> None:
+    def _release_lease(self, st: ReqState) -> None:
         if st.lease:
             self.catalog.unpin(st.lease)
             st.lease = []
