@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hpkv.bench.serve import percentile, sessions, sources, summarize
+from hpkv.bench.serve import percentile, sessions, sources, summarize, warmups
 
 
 def test_turns_are_round_robin_and_reuse_each_users_context() -> None:
@@ -21,6 +21,17 @@ def test_turns_are_round_robin_and_reuse_each_users_context() -> None:
     assert by[(0, 0)][:50] != by[(1, 0)][:50]
     assert all(256 <= x < 1000 for t in turns for x in t.prompt)
     assert sessions(3, 50, 2, 4, 1, (256, 1000)) == turns  # a seed repeats the run
+
+
+def test_the_warm_up_has_a_long_prompt_that_shares_no_chunk_with_the_users() -> None:
+    """Each fresh server's first long prompt costs every system more (first kernel shapes, first
+    page faults): the warm-up sends one as long as a context, which no user's prompt starts like."""
+    turns = sessions(users=4, context=600, turns=2, question=4, seed=3, vocab=(256, 1000))
+    warm = warmups(context=600, seed=3, vocab=(256, 1000))
+    assert [len(w) for w in warm] == [64, 64, 600]
+    assert all(256 <= t < 1000 for t in warm[2])
+    assert all(t.prompt[:256] != warm[2][:256] for t in turns)  # not even the first chunk
+    assert warmups(600, 3, (256, 1000)) == warm and warmups(600, 4, (256, 1000)) != warm
 
 
 def test_percentiles_interpolate_like_numpy() -> None:

@@ -11,8 +11,10 @@ The requests are sent by vLLM's own benchmark client (``vllm.benchmarks.serve.be
 request loop, Poisson arrivals or a concurrency limit, streaming TTFT / inter-token / end-to-end
 metrics as ``vllm bench serve`` prints them), at each load level in ``--concurrency`` (closed loop)
 or ``--rate`` (Poisson, requests/s). Every system gets the same requests, seed, engine flags and
-thread binding; every (system, level) starts a fresh server with empty tiers and sends two short
-unrelated warm-up requests first (not counted).
+thread binding; every (system, level) starts a fresh server with empty tiers and sends unrelated
+warm-up requests first (not counted): two short prompts and one as long as a user's context, so the
+one-time costs of a fresh server's first long prompt (new kernel shapes, first page faults: on the CPU
+build that first prompt was every system's slowest) are not charged to the load.
 
 What this adds to vLLM's numbers: where each prompt token came from, from the servers' own counters
 (vLLM: its prefix cache and the connector's external hits; hpkv: chunks per tier), whether the
@@ -56,6 +58,14 @@ def sessions(
         for u in range(users):
             out.append(Turn(u, t, ctx[u] + [rng.randrange(lo, hi) for _ in range(question)]))
     return out
+
+
+def warmups(context: int, seed: int, vocab: tuple[int, int]) -> list[list[int]]:
+    """Two short prompts and one of ``context`` tokens, none sharing a chunk with any user's prompts
+    (their own random stream): sent to each fresh server before the load, not counted."""
+    rng = random.Random(f"warm-up {seed}")
+    lo, hi = vocab
+    return [[7] * 64, [8] * 64, [rng.randrange(lo, hi) for _ in range(context)]]
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -204,12 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model)
     vocab = (256, min(len(tokenizer), 4096))  # real byte-level tokens of the demo tokenizer
     requests = sessions(args.users, args.context, args.turns, args.question, args.seed, vocab)
+    warm = warmups(args.context, args.seed, vocab)
     chunk = 256
     runs: list[dict[str, Any]] = []
     for rep in range(args.repeat):
         for level in levels:
             for system in systems if rep % 2 == 0 else systems[::-1]:
-                runs.append(one_run(args, system, model, tokenizer, requests, level, chunk) | {"repeat": rep})
+                runs.append(
+                    one_run(args, system, model, tokenizer, requests, level, chunk, warm) | {"repeat": rep}
+                )
                 _print_run(runs[-1])
     _compare_texts(runs)
     report = {"args": vars(args), "model": model, "requests": len(requests), "runs": runs}
@@ -241,8 +254,9 @@ def one_run(
     requests: list[Turn],
     level: dict[str, float],
     chunk: int,
+    warm: list[list[int]],
 ) -> dict[str, Any]:
-    """A fresh server for ``system`` (tiers empty), warm-up, the load, the counters around it."""
+    """A fresh server for ``system`` (tiers empty), warm-up (``warm``), the load, the counters around it."""
     from hpkv.bench.ttft import Runner
     from hpkv.bench.verify import Expect, hpkv_deltas
 
@@ -265,8 +279,8 @@ def one_run(
             return run
         server = runner.server
         assert server is not None
-        for w in range(2):  # warm-up: short prompts nobody revisits
-            server.complete([7 + w] * 64, max_tokens=2)
+        for prompt in warm:  # nobody revisits them
+            server.complete(prompt, max_tokens=2)
         is_hpkv = runner.hpkv
         before = server.settled_stats() if is_hpkv else None
         eng0 = server.engine_counters()
