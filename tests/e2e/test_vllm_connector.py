@@ -241,6 +241,7 @@ def test_restart_serves_storage_hits_with_the_cold_text(server: Server, demo_mod
         f.seek(-100, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x5A]))
     server.start()
+    waited = Counters(server)
     for n in (300, 3000):
         p = words_prompt(demo_model, n, seed=n)
         c = Counters(server)
@@ -248,6 +249,8 @@ def test_restart_serves_storage_hits_with_the_cold_text(server: Server, demo_mod
         assert c.delta("storage", "hits") == n // CHUNK
         assert c.delta("memory", "promotions") == n // CHUNK
         assert c.delta("connector", "loaded_tokens") == (n // CHUNK) * CHUNK
+    # Each request was all the engine had: its lookup waited for its own reads, no empty step.
+    assert waited.delta("connector", "lookups_waited_alone") >= 1
 
 
 def test_corrupted_chunk_file_is_recomputed_not_served(server: Server, demo_model: str, env: dict) -> None:

@@ -135,6 +135,14 @@ class Sim:
         [load] = self.step([(req, chunks * CHUNK, 1)]).loads
         return req, load
 
+    def running(self, rid: str = "running") -> Request:
+        """Another request in the engine (looked up, admitted, computing): a lookup then never waits
+        (see HpkvScheduler._alone)."""
+        req = self.request(rid, random_tokens(CHUNK // 2, seed=hash(rid) % 1000))
+        assert self.lookup(req) == 0
+        self.admit(req, 0)
+        return req
+
     def pinned(self) -> int:
         return int(self.cat.stats()[MEMORY]["pinned_slots"])
 
@@ -194,6 +202,7 @@ def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest
     sim.cat.flush()
     sim.s.reset_cache()  # memory emptied; the chunks stay in storage
     gate = Gate(sim, monkeypatch)
+    sim.running()  # another request whose steps a wait here would delay
     req = sim.request("b", tokens)
     answers: list[int | None] = []
     t = threading.Thread(target=lambda: answers.append(sim.lookup(req)))
@@ -548,6 +557,7 @@ def test_an_arrival_answer_that_is_old_or_misses_a_chunk_is_asked_again(
     )
     sent = spy_probes(sim, monkeypatch)
     monkeypatch.setattr(arrival, "FRESH_S", 0.0)
+    sim.running()  # so the lookups answer "ask again" rather than wait (see the test after this one)
     old = sim.request("old", prompt(2, seed=33))
     sim.s.on_new_request(old)
     sim.s._reqs["old"].arrival.answer.result(5)
@@ -569,6 +579,57 @@ def test_an_arrival_answer_that_is_old_or_misses_a_chunk_is_asked_again(
     assert sim.lookup_settled(left) == 2 * CHUNK  # found in valkey, promoted
     assert sim.cat.stats()[MEMORY]["promotions"] == 2
     sim.s.request_finished(left)
+
+
+def test_a_request_alone_in_the_engine_is_answered_without_an_empty_step(
+    make_sim: Any, valkey_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With nothing else in the engine, "ask again" would cost an empty step that waits for the same
+    I/O: the lookup waits for it itself (at most IDLE_WAIT_S). A cold prompt's existence check and a
+    storage hit's promotions are then answered at the first lookup; with another request in the
+    engine the same lookups answer "ask again" at once."""
+    from hpkv.integrations.vllm import scheduler as mod
+
+    monkeypatch.setattr(mod, "IDLE_WAIT_S", 2.0)  # a loaded CI box's round trip stays inside it
+    sim = make_sim(remote_url=valkey_server.url, request_timeout=2.0, connection_timeout=2.0)
+    sent = spy_probes(sim, monkeypatch)
+    cold = sim.request("cold", prompt(3, seed=41))
+    sim.s.on_new_request(cold)
+    assert sim.lookup(cold) == 0 and sent == [3]  # one check, at arrival, waited for
+    sim.s.request_finished(cold)
+
+    tokens = prompt(4, seed=42)
+    assert sim.cold("stored", tokens) == 4
+    sim.cat.flush()
+    sim.s.reset_cache()  # memory emptied: storage holds them (and valkey)
+    hit = sim.request("hit", tokens)
+    assert sim.lookup(hit) == 4 * CHUNK  # promoted from storage inside the first lookup
+    assert sim.cat.stats()[MEMORY]["promotions"] == 4 and sim.pinned() == 4
+    assert sim.counters()["lookups_waited_alone"] >= 1
+    sim.s.request_finished(hit)
+    assert sim.pinned() == 0
+
+    # A read slower than the bound: the lookup waits IDLE_WAIT_S, then answers "ask again".
+    monkeypatch.setattr(mod, "IDLE_WAIT_S", 0.05)
+    sim.s.reset_cache()
+    gate = Gate(sim, monkeypatch)
+    slow = sim.request("slow", tokens)
+    t0 = time.monotonic()
+    assert sim.lookup(slow) is None
+    assert time.monotonic() - t0 >= 0.05 and gate.reading.is_set()
+    gate.release.set()
+    assert sim.lookup_settled(slow) == 4 * CHUNK
+    sim.s.request_finished(slow)
+
+    # Another request in the engine: no wait at all; the answer comes a step later.
+    sim.s.reset_cache()
+    waited = sim.counters()["lookups_waited_alone"]
+    sim.running()
+    again = sim.request("again", tokens)
+    assert sim.lookup(again) is None
+    assert sim.lookup_settled(again) == 4 * CHUNK
+    assert sim.counters()["lookups_waited_alone"] == waited
+    sim.s.request_finished(again)
 
 
 # -- vLLM's async load ---------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 Runs on vLLM's scheduler thread. Nothing here waits for long: storage hits are
 promoted into memory on background threads and the request is asked about
-again ("ask again later"); stores are filled by the workers during the step
-and made visible when every rank confirms.
+again ("ask again later"); only a request that is all the engine has may wait
+for its own I/O, as an empty step would (at most IDLE_WAIT_S); stores are
+filled by the workers during the step and made visible when every rank confirms.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class HpkvScheduler:
             "stores_skipped_pool_full": 0,
             "lookups_waited_for_room": 0,
             "remote_checks_at_arrival": 0,  # lookups that used the existence check made at arrival
+            "lookups_waited_alone": 0,  # waits of a lookup for its tier I/O with nothing else to run
         }
         self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
@@ -162,7 +164,9 @@ class HpkvScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """How many tokens past ``num_computed`` hpkv can load; ``None`` = ask again next step.
 
-        Never waits (vLLM calls this inside the step that serves every running request). The
+        Never waits while the engine has anything else to do (vLLM calls this inside the step that
+        serves every running request); a request that is all the engine has waits for its own I/O
+        at most IDLE_WAIT_S, as the empty step it would cost waits (see :meth:`_alone`). The
         first call looks in memory and storage (local indexes) and, for the chunks they lack,
         asks valkey once on a thread (one pipelined EXISTS per rank); the hit is cut at the
         first chunk no tier holds, and the chunks below memory are promoted on threads. Until
@@ -182,6 +186,7 @@ class HpkvScheduler:
         C = self.chunk_size
         first = num_computed // C
         lks = st.lks
+        deadline = time.monotonic() + IDLE_WAIT_S  # see _alone
         if not st.staged:
             if st.where is None:
                 st.where = self.catalog.locate_local(lks[first:], st.tenant)
@@ -198,6 +203,8 @@ class HpkvScheduler:
                         st.probe = self.catalog.probe_remote([lks[first + i] for i in gaps], st.tenant)
                     st.staging_since = time.monotonic()
             if st.probe is not None:
+                if not st.probe.done() and self._alone():
+                    self._wait_alone([st.probe], deadline)
                 if not st.probe.done() and not self._gave_up(st):
                     return None, False
                 names = st.probe.result() if st.probe.done() else [None] * len(st.probe_at)
@@ -226,6 +233,8 @@ class HpkvScheduler:
                 if need and self.config.async_load:
                     return self._answer_async(st, num_computed)
                 st.staging = self.catalog.stage(need, st.tenant)
+            if st.staging and not all(f.done() for f in st.staging) and self._alone():
+                self._wait_alone(st.staging, deadline)
             if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
                 return None, False
             st.staged = True
@@ -520,6 +529,20 @@ class HpkvScheduler:
             done, rest = wait(pending, timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
             if done and rest:
                 wait(rest, timeout=ASYNC_GATHER_S, return_when=ALL_COMPLETED)
+
+    def _alone(self) -> bool:
+        """Whether the request being looked up is all the engine has: no other request known (queued,
+        running or loading) and no computing step out. Its lookup may then wait for its own tier I/O,
+        at most IDLE_WAIT_S per call, instead of answering "ask again": that answer would cost an
+        empty step that waits the same way (see :meth:`_idle_wait`), and there is no other request
+        whose step either wait could delay."""
+        return len(self._reqs) == 1 and not self.catalog.engine_busy_now
+
+    def _wait_alone(self, futs: list[Future[Any]], deadline: float) -> None:
+        left = deadline - time.monotonic()
+        if left > 0:
+            self._counters["lookups_waited_alone"] += 1
+            wait(futs, timeout=left, return_when=ALL_COMPLETED)
 
     def _unprotect(self, st: ReqState) -> None:
         if st.protected:
