@@ -137,7 +137,7 @@ class Sim:
 
     def running(self, rid: str = "running") -> Request:
         """Another request in the engine (looked up, admitted, computing): a lookup then never waits
-        (see HpkvScheduler._alone)."""
+        (see HpkvScheduler._wait_alone)."""
         req = self.request(rid, random_tokens(CHUNK // 2, seed=hash(rid) % 1000))
         assert self.lookup(req) == 0
         self.admit(req, 0)

@@ -166,7 +166,7 @@ class HpkvScheduler:
 
         Never waits while the engine has anything else to do (vLLM calls this inside the step that
         serves every running request); a request that is all the engine has waits for its own I/O
-        at most IDLE_WAIT_S, as the empty step it would cost waits (see :meth:`_alone`). The
+        at most IDLE_WAIT_S, as the empty step it would cost waits (see :meth:`_wait_alone`). The
         first call looks in memory and storage (local indexes) and, for the chunks they lack,
         asks valkey once on a thread (one pipelined EXISTS per rank); the hit is cut at the
         first chunk no tier holds, and the chunks below memory are promoted on threads. Until
@@ -186,7 +186,7 @@ class HpkvScheduler:
         C = self.chunk_size
         first = num_computed // C
         lks = st.lks
-        deadline = time.monotonic() + IDLE_WAIT_S  # see _alone
+        deadline = time.monotonic() + IDLE_WAIT_S  # see _wait_alone
         if not st.staged:
             if st.where is None:
                 st.where = self.catalog.locate_local(lks[first:], st.tenant)
@@ -203,8 +203,7 @@ class HpkvScheduler:
                         st.probe = self.catalog.probe_remote([lks[first + i] for i in gaps], st.tenant)
                     st.staging_since = time.monotonic()
             if st.probe is not None:
-                if not st.probe.done() and self._alone():
-                    self._wait_alone([st.probe], deadline)
+                self._wait_alone([st.probe], deadline)
                 if not st.probe.done() and not self._gave_up(st):
                     return None, False
                 names = st.probe.result() if st.probe.done() else [None] * len(st.probe_at)
@@ -233,8 +232,7 @@ class HpkvScheduler:
                 if need and self.config.async_load:
                     return self._answer_async(st, num_computed)
                 st.staging = self.catalog.stage(need, st.tenant)
-            if st.staging and not all(f.done() for f in st.staging) and self._alone():
-                self._wait_alone(st.staging, deadline)
+            self._wait_alone(st.staging, deadline)
             if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
                 return None, False
             st.staged = True
@@ -530,19 +528,16 @@ class HpkvScheduler:
             if done and rest:
                 wait(rest, timeout=ASYNC_GATHER_S, return_when=ALL_COMPLETED)
 
-    def _alone(self) -> bool:
-        """Whether the request being looked up is all the engine has: no other request known (queued,
-        running or loading) and no computing step out. Its lookup may then wait for its own tier I/O,
-        at most IDLE_WAIT_S per call, instead of answering "ask again": that answer would cost an
-        empty step that waits the same way (see :meth:`_idle_wait`), and there is no other request
-        whose step either wait could delay."""
-        return len(self._reqs) == 1 and not self.catalog.engine_busy_now
-
     def _wait_alone(self, futs: list[Future[Any]], deadline: float) -> None:
+        """Wait for a lookup's pending I/O until ``deadline`` if the request looked up is all the engine
+        has: no other request known (queued, running or loading) and no computing step out. Else
+        return at once. "Ask again" would cost such a request an empty step that waits the same way
+        (see :meth:`_idle_wait`), and there is no other request whose step either wait could delay."""
+        pending = [f for f in futs if not f.done()]
         left = deadline - time.monotonic()
-        if left > 0:
+        if pending and left > 0 and len(self._reqs) == 1 and not self.catalog.engine_busy_now:
             self._counters["lookups_waited_alone"] += 1
-            wait(futs, timeout=left, return_when=ALL_COMPLETED)
+            wait(pending, timeout=left, return_when=ALL_COMPLETED)
 
     def _unprotect(self, st: ReqState) -> None:
         if st.protected:
