@@ -186,8 +186,8 @@ class HpkvScheduler:
         C = self.chunk_size
         first = num_computed // C
         lks = st.lks
-        deadline = time.monotonic() + IDLE_WAIT_S  # see _wait_alone
         if not st.staged:
+            deadline = time.monotonic() + IDLE_WAIT_S  # see _wait_alone
             if st.where is None:
                 st.where = self.catalog.locate_local(lks[first:], st.tenant)
                 st.looked_from = first
@@ -533,9 +533,11 @@ class HpkvScheduler:
         has: no other request known (queued, running or loading) and no computing step out. Else
         return at once. "Ask again" would cost such a request an empty step that waits the same way
         (see :meth:`_idle_wait`), and there is no other request whose step either wait could delay."""
+        if len(self._reqs) != 1 or self.catalog.engine_busy_now:  # under load: no list, no clock
+            return
         pending = [f for f in futs if not f.done()]
         left = deadline - time.monotonic()
-        if pending and left > 0 and len(self._reqs) == 1 and not self.catalog.engine_busy_now:
+        if pending and left > 0:
             self._counters["lookups_waited_alone"] += 1
             wait(pending, timeout=left, return_when=ALL_COMPLETED)
 
