@@ -104,6 +104,7 @@ def test_lmcache_names(tmp_path: Path) -> None:
         ("HPKV_VALKEY_REQUEST_TIMEOUT", "nan", "5.0"),
         ("HPKV_VALKEY_CONNECTION_TIMEOUT", "-2", "10.0"),
         ("HPKV_LAYERWISE_LOAD", "sometimes", "true"),
+        ("HPKV_ASYNC_LOAD", "sometimes", "auto"),
     ],
 )
 def test_bad_env_values_name_the_variable(
@@ -114,6 +115,16 @@ def test_bad_env_values_name_the_variable(
         HpkvConfig.from_env()
     msg = str(e.value)
     assert var in msg and repr(value) in msg and example in msg
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("auto", "auto"), ("1", "true"), ("on", "true"), ("No", "false"), (False, "false")],
+)
+def test_async_load_takes_auto_or_a_yes_or_no(value: object, expected: str) -> None:
+    """``HPKV_ASYNC_LOAD`` was a boolean before "auto": the yes/no spellings still work."""
+    assert HpkvConfig(async_load=value).async_load == expected
+    assert HpkvConfig().async_load == "auto"
 
 
 def test_unknown_variable_is_rejected_with_suggestion(monkeypatch: pytest.MonkeyPatch) -> None:

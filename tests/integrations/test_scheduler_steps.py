@@ -6,8 +6,9 @@ would hand over: the fields the connector reads), and the workers' part (filling
 per rank) is done here the way the workers do it. The only stand-in is a gate that holds a storage read
 (a real disk cannot be made slow on demand). Each test asserts exact counters and pins.
 
-The first tests run the default "ask again" mode (a hit is answered once every chunk is in memory); the
-``async`` ones at the end run vLLM's async load (``async_load=True``).
+The first tests run "ask again" (a hit is answered once every chunk is in memory: the default on the
+CPU build, and on a GPU for a request alone); the ``async`` ones at the end run vLLM's async load
+(``async_load=True``, and the default on a GPU while other requests are in the engine).
 """
 
 from __future__ import annotations
@@ -154,13 +155,13 @@ class Sim:
 def make_sim(shm_dir: str, storage_dir: str) -> Iterator[Any]:
     made: list[HpkvScheduler] = []
 
-    def factory(world_size: int = 1, **cfg: Any) -> Sim:
+    def factory(world_size: int = 1, gpu: bool = False, **cfg: Any) -> Sim:
         cfg.setdefault("mem_pool_size", "8M")
         cfg.setdefault("share_mem_file_path", shm_dir)
         cfg.setdefault("storage_path", storage_dir)
         cfg.setdefault("chunk_size", CHUNK)
         ns = Namespace("steps", SMALL, CHUNK, 0, world_size)
-        s = HpkvScheduler(HpkvConfig(**cfg), ns, BLOCK, load=True, store=True)
+        s = HpkvScheduler(HpkvConfig(**cfg), ns, BLOCK, load=True, store=True, gpu=gpu)
         made.append(s)
         return Sim(s)
 
@@ -807,3 +808,40 @@ def test_async_chunks_that_arrive_together_go_out_in_one_step(
     assert sim.counters()["loaded_tokens"] == 4 * CHUNK
     sim.s.request_finished(req)
     assert sim.pinned() == 0
+
+
+def test_async_auto_on_a_gpu_a_hit_found_while_others_run_loads_without_holding_their_step(
+    make_sim: Any,
+) -> None:
+    """``HPKV_ASYNC_LOAD=auto`` (the default). On a GPU a synchronous load is copied inside the step
+    that admits the request and that step's compute waits for it, so a hit found while other
+    requests run (a memory hit here) goes asynchronously; alone, or on the CPU build, synchronously."""
+    cases = [(True, "auto", True), (False, "auto", False), (True, "false", False)]
+    for seed, (gpu, mode, busy_async) in enumerate(cases, start=31):
+        sim = make_sim(gpu=gpu, async_load=mode)
+        tokens = prompt(2, seed=seed)  # a fresh prompt: the storage directory is shared
+        assert sim.cold("cold", tokens) == 2
+        alone = sim.request("alone", tokens)
+        assert sim.s.get_num_new_matched_tokens(alone, 0) == (2 * CHUNK, False)
+        sim.s.request_finished(alone)
+        assert sim.pinned() == 0
+        sim.running()
+        hits = sim.cat.stats()[MEMORY]["hits"]
+        hit = sim.request("hit", tokens)
+        assert sim.s.get_num_new_matched_tokens(hit, 0) == (2 * CHUNK, busy_async), (gpu, mode)
+        ids = sim.admit(hit, 2 * CHUNK)
+        if not busy_async:
+            [load] = sim.step([(hit, 2 * CHUNK, 1)]).loads
+            assert not load.asynchronous and len(load.chunks) == 2
+            sim.report({load.op_id: (1, 0)})
+        else:
+            [part] = sim.step().loads  # both chunks are in memory: one part, the last, at once
+            assert part.asynchronous and part.last
+            assert [c.block_ids for c in part.chunks] == [ids[0:2], ids[2:4]]
+            assert sim.pinned() == 2  # held until the workers have copied them
+            sim.report({part.op_id: (1, 0)})
+        assert sim.pinned() == 0 and not sim.s.has_pending_ops()
+        assert sim.counters()["loaded_tokens"] == 2 * CHUNK
+        assert sim.cat.stats()[MEMORY]["hits"] - hits == 2  # counted alike in both modes
+        sim.s.request_finished(hit)
+        sim.cat.check()

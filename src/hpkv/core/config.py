@@ -17,6 +17,7 @@ variable or key, the bad value and a good example.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import logging
@@ -64,7 +65,7 @@ _SPECS: dict[str, _Spec] = {
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
     "write_behind": _Spec("HPKV_WRITE_BEHIND", "idle", "choice"),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
-    "async_load": _Spec("HPKV_ASYNC_LOAD", "true", "bool"),
+    "async_load": _Spec("HPKV_ASYNC_LOAD", "auto", "choice"),
     "shared_group": _Spec("HPKV_SHARED_GROUP", "true", "bool"),
     "auth_key": _Spec("HPKV_AUTH_KEY", "<32 random characters, e.g. from: openssl rand -hex 16>", "optstr"),
     "remote_url": _Spec("HPKV_REMOTE_URL", "valkey://127.0.0.1:6379", "url"),
@@ -84,6 +85,7 @@ _SPECS: dict[str, _Spec] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "valkey_mode": ("standalone", "cluster"),
     "write_behind": ("auto", "idle", "immediate"),
+    "async_load": ("auto", "true", "false"),
 }
 REMOTE_SCHEMES = ("valkey", "redis", "valkeys", "rediss")
 
@@ -150,10 +152,14 @@ class HpkvConfig:
     write_behind: str = "auto"
     # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.
     layerwise_load: bool = False
-    # vLLM: a hit that needs storage or Valkey is loaded asynchronously (vLLM's async KV load): each
-    # chunk goes to the engine as soon as it is in memory. Off: "ask again" until all are in memory
-    # (measured faster on the H200: the async row paid an extra engine step and slower reads).
-    async_load: bool = False
+    # vLLM: when a hit is loaded asynchronously (vLLM's async KV load: the request waits for its KV
+    # unscheduled, its chunks go to the engine as soon as they are in memory, and no step waits for
+    # the copies). "true": every hit that needs storage or Valkey. "false": none ("ask again" until
+    # every chunk is in memory, then one load inside the request's first step). "auto": on a GPU,
+    # every hit found while the engine has other requests, so that no step serving them waits for
+    # its copies; a request alone, and every request on the CPU build (whose copies run inline
+    # either way), as "false".
+    async_load: str = "auto"
     # Accept pool and storage directories that their group may write (a group of trusted engines).
     shared_group: bool = False
     # A secret shared by every engine of one cache: records carry a keyed MAC checked on every read
@@ -521,6 +527,9 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
         return fvalue
     if spec.kind == "choice":
         text = str(raw).strip().lower()
+        if "true" in _CHOICES[name] and text not in _CHOICES[name]:  # a yes/no choice: 1, on, yes ...
+            with contextlib.suppress(ValueError):
+                text = "true" if parse_bool(raw) else "false"
         if text not in _CHOICES[name]:
             raise bad(f"is not one of {', '.join(_CHOICES[name])}")
         return text

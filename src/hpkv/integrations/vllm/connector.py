@@ -84,6 +84,8 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
+            from vllm.platforms import current_platform
+
             from hpkv.integrations.vllm.scheduler import HpkvScheduler
 
             # A cache miss must never fail a request: recompute what could not be loaded.
@@ -101,6 +103,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                     _start_pool_path(vllm_config, self.config, self.namespace, r, worker=False)
                     for r in range(self.namespace.world_size)
                 ],
+                gpu=not current_platform.is_cpu(),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

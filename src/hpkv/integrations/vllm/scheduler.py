@@ -69,10 +69,12 @@ class HpkvScheduler:
         store: bool,
         defer_cascade: bool = False,
         adopt_pools: list[str | None] | None = None,
+        gpu: bool = False,
     ) -> None:
         """``defer_cascade`` (``HPKV_WRITE_BEHIND``, see connector.defer_writes): the
         write-behind waits for idle time (see :meth:`Catalog.step_scheduled`). ``adopt_pools``: per
-        rank, the pool file its worker made at start, if it did (see connector.py)."""
+        rank, the pool file its worker made at start, if it did (see connector.py). ``gpu``: the
+        engine's KV is on a GPU, where a load's copies can run beside a step (``HPKV_ASYNC_LOAD=auto``)."""
         if config.chunk_size % block_size:
             raise_config(
                 config,
@@ -84,6 +86,7 @@ class HpkvScheduler:
         self.block_size = block_size
         self.chunk_size = config.chunk_size
         self.load_enabled = load
+        self.gpu = gpu
         self.store_enabled = store
         self.catalog = Catalog(config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools)
         self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
@@ -229,7 +232,7 @@ class HpkvScheduler:
                     st.waited_for_room = True
                     return None, False
                 st.stage_started = True
-                if need and self.config.async_load:
+                if self._load_async(bool(need)):
                     return self._answer_async(st, num_computed)
                 st.staging = self.catalog.stage(need, st.tenant)
             self._wait_alone(st.staging, deadline)
@@ -528,12 +531,27 @@ class HpkvScheduler:
             if done and rest:
                 wait(rest, timeout=ASYNC_GATHER_S, return_when=ALL_COMPLETED)
 
+    def _load_async(self, slow: bool) -> bool:
+        """Whether a hit (``slow``: it needs storage or valkey) loads asynchronously
+        (``HPKV_ASYNC_LOAD``). "auto": on a GPU, while the engine has any other request. A
+        synchronous load is copied inside the step that admits the request, and that step's compute
+        waits for it: on the H200 ~9 ms per 448 MiB hit, several hits admitted together stacking up,
+        for every request in the step. Alone, the synchronous load saves the hit an engine step."""
+        mode = self.config.async_load
+        if mode == "auto":
+            return self.gpu and self._busy()
+        return slow and mode == "true"
+
+    def _busy(self) -> bool:
+        """Another request is known (queued, running or loading), or a computing step is out."""
+        return len(self._reqs) != 1 or self.catalog.engine_busy_now
+
     def _wait_alone(self, futs: list[Future[Any]], deadline: float) -> None:
         """Wait for a lookup's pending I/O until ``deadline`` if the request looked up is all the engine
         has: no other request known (queued, running or loading) and no computing step out. Else
         return at once. "Ask again" would cost such a request an empty step that waits the same way
         (see :meth:`_idle_wait`), and there is no other request whose step either wait could delay."""
-        if len(self._reqs) != 1 or self.catalog.engine_busy_now:  # under load: no list, no clock
+        if self._busy():  # under load: no list, no clock
             return
         pending = [f for f in futs if not f.done()]
         left = deadline - time.monotonic()
