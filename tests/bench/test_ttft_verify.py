@@ -139,9 +139,12 @@ def test_more_prompts_resolve_a_hit_the_gpu_rows_spread_hides() -> None:
 def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
     import argparse
 
-    from hpkv.bench.ttft import SYSTEMS, Runner
+    from hpkv.bench.serve import SYSTEMS as SERVE_SYSTEMS
+    from hpkv.bench.ttft import SYSTEMS, VARIANT_ENV, Runner
 
     assert "hpkv-layerwise" in SYSTEMS
+    assert set(VARIANT_ENV) <= set(SYSTEMS) and {"hpkv-sync", "hpkv-async"} <= set(SERVE_SYSTEMS)
+    assert VARIANT_ENV["hpkv-sync"] == {"HPKV_ASYNC_LOAD": "false"}  # the load mode before "auto"
     args = argparse.Namespace(url=None)
     hits = ["prefill", "gpu", "memory", "storage", "valkey"]
     lw = Runner(args, "hpkv-layerwise", None, [], E, [])

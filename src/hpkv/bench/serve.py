@@ -35,7 +35,7 @@ from typing import Any
 
 from hpkv.bench.server import Server, ServerError
 
-SYSTEMS = ("hpkv", "none", "lmcache", "native")
+SYSTEMS = ("hpkv", "hpkv-sync", "hpkv-async", "none", "lmcache", "native")  # variants: see ttft.VARIANT_ENV
 
 
 @dataclass(frozen=True)

@@ -173,9 +173,15 @@ NEEDS_LOCAL = {
     "storage-cold": "needs the storage files on this machine",
     "valkey": "needs an engine restart",
 }
-SYSTEMS = ("hpkv", "hpkv-layerwise", "hpkv-async", "none", "native", "lmcache")
+SYSTEMS = ("hpkv", "hpkv-layerwise", "hpkv-async", "hpkv-sync", "none", "native", "lmcache")
 # hpkv-layerwise: hpkv with HPKV_LAYERWISE_LOAD=true (on CUDA each layer is loaded, then attended to);
-# hpkv-async: HPKV_ASYNC_LOAD=true (vLLM's async load: each chunk sent to the engine as it reaches memory)
+# hpkv-async: HPKV_ASYNC_LOAD=true (vLLM's async load: each chunk sent to the engine as it reaches memory);
+# hpkv-sync: HPKV_ASYNC_LOAD=false (every hit loaded inside the step that admits it, as before "auto")
+VARIANT_ENV = {
+    "hpkv-layerwise": {"HPKV_LAYERWISE_LOAD": "true"},
+    "hpkv-async": {"HPKV_ASYNC_LOAD": "true"},
+    "hpkv-sync": {"HPKV_ASYNC_LOAD": "false"},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,10 +400,7 @@ class Runner:
                 "VLLM_SERVER_DEV_MODE": "1",
             }
         )
-        if self.system == "hpkv-layerwise":
-            env["HPKV_LAYERWISE_LOAD"] = "true"
-        if self.system == "hpkv-async":
-            env["HPKV_ASYNC_LOAD"] = "true"
+        env.update(VARIANT_ENV.get(self.system, {}))
         wants_valkey = "valkey" in todo and (self.hpkv or self.system == "lmcache")
         if self.hpkv and args.remote_url:
             env["HPKV_REMOTE_URL"] = args.remote_url
