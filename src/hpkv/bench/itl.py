@@ -193,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="out/bench-itl")
     ap.add_argument("--vllm-args", default="--enforce-eager")
     ap.add_argument(
+        "--async-load",
+        default="auto",
+        choices=["auto", "true", "false"],
+        help="HPKV_ASYNC_LOAD for the server (false: P's hit is loaded inside the step that admits it)",
+    )
+    ap.add_argument(
         "--profile",
         action="store_true",
         help="also sample the engine process with py-spy while P is in flight (runs alternate --gil, "
@@ -224,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         HPKV_SHARE_MEM_FILE_PATH=shm,
         HPKV_KV_STORAGE_PATH=storage,
         HPKV_REMOTE_URL=valkey.url,
+        HPKV_ASYNC_LOAD=args.async_load,
         VLLM_SERVER_DEV_MODE="1",
     )
     vargs = ["--max-model-len", str(max(args.tokens + 64, 2048)), "--max-num-batched-tokens", "2048"]
