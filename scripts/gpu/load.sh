@@ -7,4 +7,4 @@ timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model /root/
   --compare ${LOAD_COMPARE:-hpkv,hpkv-sync,none} --users 16 --context 8192 --turns 3 \
   --concurrency ${LOAD_LEVELS:-16} --engine-blocks 1000 --pool-size 4G --vllm-args="--enforce-eager" \
   --out $OUT/serve > $OUT/serve.log 2>&1
-echo "rc=$?"; tail -16 $OUT/serve.log; grep -h "Retrieved" $OUT/serve/vllm-*.log | grep -c async
+echo "rc=$?"; tail -16 $OUT/serve.log; grep -c "Retrieved.*async" $OUT/serve/vllm-*.log  # hits loaded asynchronously, per system
