@@ -165,6 +165,10 @@ def test_eight_concurrent_requests_with_hits(server: Server, demo_model: str) ->
     assert hot == cold
     expected = sum(len(p.split()) // CHUNK for p in prompts)
     assert c.delta("memory", "hits") == expected
+    # HPKV_ASYNC_LOAD=auto: on a GPU, hits found while the others are queued load asynchronously (their
+    # copies hold no step); on the CPU build every hit loads inside its first step.
+    async_loads = c.delta("connector", "async_loads")
+    assert async_loads >= 1 if _has_cuda() else async_loads == 0
 
 
 def test_seed_letter_prompts_gpu_then_memory(server: Server) -> None:

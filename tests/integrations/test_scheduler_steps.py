@@ -843,5 +843,6 @@ def test_async_auto_on_a_gpu_a_hit_found_while_others_run_loads_without_holding_
         assert sim.pinned() == 0 and not sim.s.has_pending_ops()
         assert sim.counters()["loaded_tokens"] == 2 * CHUNK
         assert sim.cat.stats()[MEMORY]["hits"] - hits == 2  # counted alike in both modes
+        assert sim.counters()["async_loads"] == int(busy_async)
         sim.s.request_finished(hit)
         sim.cat.check()

@@ -109,6 +109,7 @@ class HpkvScheduler:
             "lookups_waited_for_room": 0,
             "remote_checks_at_arrival": 0,  # lookups that used the existence check made at arrival
             "lookups_waited_alone": 0,  # waits of a lookup for its tier I/O with nothing else to run
+            "async_loads": 0,  # hits answered as vLLM's async load (HPKV_ASYNC_LOAD)
         }
         self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
@@ -285,6 +286,7 @@ class HpkvScheduler:
         st.async_hit, st.staged = hit, True
         st.load_start, st.load_tokens = num_computed, hit - num_computed
         self._counters["lookups"] += 1
+        self._counters["async_loads"] += 1
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, True
 
