@@ -1,8 +1,9 @@
-"""One step's part of an async load (vLLM's async KV load, ``HPKV_ASYNC_LOAD=true``).
+"""One step's part of an async load (vLLM's async KV load, ``HPKV_ASYNC_LOAD``).
 
-The scheduler answers a slow-tier hit at once and then, step by step, sends the workers each chunk
-once its promotion has put it in memory. This module decides one step's part from the chunks still
-awaited; the scheduler (scheduler.py) keeps the request's state and the load op.
+The scheduler answers the hit at once and then, step by step, sends the workers each chunk once it is
+in memory (at once for a chunk that already was; after its promotion for the others). This module
+decides one step's part from the chunks still awaited; the scheduler (scheduler.py) keeps the request's
+state and the load op.
 """
 
 from __future__ import annotations

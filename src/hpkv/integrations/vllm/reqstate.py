@@ -36,7 +36,7 @@ class ReqState:
     staged: bool = False
     tiers: dict[str, int] = field(default_factory=dict)
     protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
-    # vLLM's async load (a hit that needs a slower tier, config.async_load): the hit's end in
+    # vLLM's async load (config.async_load: see HpkvScheduler._load_async): the hit's end in
     # tokens once answered; the chunks not yet sent to the workers (index, their promotion or None
     # for a chunk in memory); the load op from allocation until every rank reported it.
     async_hit: int = 0
