@@ -4,10 +4,11 @@ token sources. (The e2e run against a real server is tests/e2e/test_bench_serve.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from hpkv.bench.serve import percentile, sessions, sources, summarize, warmups
+from hpkv.bench.serve import charts, percentile, sessions, sources, summarize, warmups
 
 
 def test_turns_are_round_robin_and_reuse_each_users_context() -> None:
@@ -39,6 +40,14 @@ def test_percentiles_interpolate_like_numpy() -> None:
     assert percentile(xs, 50) == 3.0
     assert math.isclose(percentile(xs, 90), 4.6)
     assert percentile([2.0], 99) == 2.0
+
+
+def test_charts_say_so_when_no_run_finished(tmp_path: Path) -> None:
+    # Seen on the H200: every server failed to start, and the chart step then raised IndexError,
+    # hiding the table's reasons behind a traceback.
+    runs = [{"level": {"concurrency": 4}, "system": s, "error": "could not start"} for s in ("hpkv", "none")]
+    assert charts(runs, str(tmp_path)).startswith("none: no run finished")
+    assert not (tmp_path / "serve.png").exists()
 
 
 def test_summary_leaves_failed_requests_out() -> None:

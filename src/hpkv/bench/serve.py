@@ -427,6 +427,8 @@ def charts(runs: list[dict[str, Any]], out: str) -> str:
     except ImportError:
         return "matplotlib is not installed (the table and JSON have everything)"
     ok = [r for r in runs if not r.get("error")]
+    if not ok:
+        return "none: no run finished (the table says why)"
     levels = sorted({_level_name(r["level"]) for r in ok}, key=lambda n: float(n.split()[1].rstrip("/s")))
     systems = list(dict.fromkeys(r["system"] for r in ok))
     fig, axes = plt.subplots(1, len(levels) + 2, figsize=(4.2 * (len(levels) + 2), 3.6))
