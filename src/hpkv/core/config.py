@@ -284,6 +284,11 @@ class HpkvConfig:
     def example(self, name: str) -> str:
         return _SPECS[name].example
 
+    def refuse(self, name: str, why: str, example: str) -> HpkvConfigError:
+        """The error for field ``name``'s value, checked against something only known at start
+        (the engine's block size, ...): the variable, the value, why, and a value that works."""
+        return HpkvConfigError(f"{self.where(name)}={getattr(self, name)!r} {why}; use e.g. {example}")
+
     @staticmethod
     def env_names() -> dict[str, str]:
         """Field name -> ``HPKV_*`` variable, for docs and the CLI."""

@@ -1,10 +1,11 @@
 """The scheduler side of HpkvConnectorV1: decides what to load and store, owns the catalog.
 
-Runs on vLLM's scheduler thread. Nothing here waits for long: storage hits are
-promoted into memory on background threads and the request is asked about
-again ("ask again later"); only a request that is all the engine has may wait
-for its own I/O, as an empty step would (at most IDLE_WAIT_S); stores are
-filled by the workers during the step and made visible when every rank confirms.
+Runs on vLLM's scheduler thread. Nothing here waits for long: chunks below memory
+are promoted on background threads while the request is asked about again, or
+(vLLM's async load, ``HPKV_ASYNC_LOAD``) sent to the workers as each arrives;
+only a request that is all the engine has may wait for its own I/O, as an empty
+step would (at most IDLE_WAIT_S); stores are filled by the workers during the
+step and made visible when every rank confirms.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
-from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
 from hpkv.core.procs import name_os_thread
 from hpkv.engine.catalog import MEMORY, Catalog
@@ -76,12 +76,8 @@ class HpkvScheduler:
         rank, the pool file its worker made at start, if it did (see connector.py). ``gpu``: the
         engine's KV is on a GPU, where a load's copies can run beside a step (``HPKV_ASYNC_LOAD=auto``)."""
         if config.chunk_size % block_size:
-            raise_config(
-                config,
-                "chunk_size",
-                f"is not a multiple of the engine's --block-size {block_size}",
-                f"{block_size * max(1, config.chunk_size // block_size)}",
-            )
+            why = f"is not a multiple of the engine's --block-size {block_size}"
+            raise config.refuse("chunk_size", why, f"{block_size * max(1, config.chunk_size // block_size)}")
         self.config = config
         self.block_size = block_size
         self.chunk_size = config.chunk_size
@@ -266,8 +262,8 @@ class HpkvScheduler:
         return st.load_tokens, False
 
     def _answer_async(self, st: ReqState, num_computed: int) -> tuple[int, bool]:
-        """The hit needs storage or valkey: answer it now, as vLLM's async load, while its chunks
-        are promoted; each is sent to the workers as soon as it is in memory (see
+        """Answer the hit now, as vLLM's async load (see :meth:`_load_async`); chunks below memory
+        are promoted meanwhile, and each is sent to the workers as soon as it is in memory (see
         :meth:`_async_part`), so the reads of later chunks overlap the copies of earlier ones."""
         C = self.chunk_size
         first = st.looked_from
@@ -602,7 +598,3 @@ class HpkvScheduler:
         self.stats_file.write(self.stats, force=True)
         self.catalog.close()
         self.stats_file.remove()
-
-
-def raise_config(config: HpkvConfig, name: str, why: str, example: str) -> None:
-    raise HpkvConfigError(f"{config.where(name)}={getattr(config, name)!r} {why}; use e.g. {example}")
