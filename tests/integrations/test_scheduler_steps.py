@@ -846,3 +846,31 @@ def test_async_auto_on_a_gpu_a_hit_found_while_others_run_loads_without_holding_
         assert sim.counters()["async_loads"] == int(busy_async)
         sim.s.request_finished(hit)
         sim.cat.check()
+
+
+def test_async_auto_a_load_shorter_than_a_chunk_stays_synchronous(make_sim: Any) -> None:
+    """On a GPU under load, "auto" sends a load of less than a chunk synchronously: the tail after
+    vLLM's own prefix-cache hit (the commonest hit) copies in a fraction of a millisecond, and as an
+    async load it cost the request one or two engine steps (30 ms on the H200: its bench itl control)."""
+    sim = make_sim(gpu=True, async_load="auto")
+    tokens = prompt(2, seed=41)
+    assert sim.cold("cold", tokens) == 2
+    sim.running()
+    for rid, computed, want in [("tail", 2 * CHUNK - BLOCK, False), ("chunk", CHUNK, True)]:
+        req = sim.request(rid, tokens)  # vLLM's own cache holds the first ``computed`` tokens
+        assert sim.s.get_num_new_matched_tokens(req, computed) == (2 * CHUNK - computed, want), rid
+        sim.admit(req, 2 * CHUNK - computed)
+        if want:
+            [part] = sim.step().loads
+            assert part.asynchronous and part.last and [c.count for c in part.chunks] == [CHUNK]
+        else:
+            [part] = sim.step([(req, 2 * CHUNK, 1)]).loads
+            assert not part.asynchronous and [(c.first, c.count) for c in part.chunks] == [
+                (CHUNK - BLOCK, BLOCK)
+            ]
+        sim.report({part.op_id: (1, 0)})
+        sim.s.request_finished(req)
+        assert sim.pinned() == 0 and not sim.s.has_pending_ops()
+    assert sim.counters()["async_loads"] == 1
+    assert sim.counters()["loaded_tokens"] == BLOCK + CHUNK
+    sim.cat.check()

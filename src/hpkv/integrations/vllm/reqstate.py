@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from hpkv.core.keys import SHARED_TENANT
 from hpkv.integrations.vllm.arrival import ArrivalCheck
+from hpkv.integrations.vllm.meta import ChunkLoad
 
 
 @dataclass
@@ -43,6 +44,22 @@ class ReqState:
     async_wait: list[tuple[int, Future[bool] | None]] = field(default_factory=list)
     async_op: int = 0
     finished: bool = False  # vLLM finished (aborted) the request while its async load was in flight
+
+    def hit_end(self, chunk: int) -> int:
+        """Where the hit the lookup cut ends, in tokens (the engine computes at least the last one)."""
+        return min((self.looked_from + len(self.protected)) * chunk, self.prompt_len - 1)
+
+    def leased_chunks(self, chunk: int, block: int) -> list[ChunkLoad]:
+        """A synchronous load's chunks: each leased slot's share of the tokens to load, and its blocks."""
+        per_chunk, end = chunk // block, self.load_start + self.load_tokens
+        out = []
+        for n, slot in enumerate(self.lease):
+            j = self.lease_first + n
+            lo, hi = max(j * chunk, self.load_start), min((j + 1) * chunk, end)
+            if hi > lo:
+                blocks = self.block_ids[j * per_chunk : (j + 1) * per_chunk]
+                out.append(ChunkLoad(slot, self.lks[j], blocks, lo - j * chunk, hi - lo))
+        return out
 
 
 @dataclass

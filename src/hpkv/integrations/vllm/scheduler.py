@@ -24,7 +24,7 @@ from hpkv.engine.reads import staged_line
 from hpkv.integrations.vllm.arrival import ArrivalCheck
 from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
-from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
+from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.poolfull import PoolFullLog
 from hpkv.integrations.vllm.reqstate import Op, ReqState
 from hpkv.integrations.vllm.statsfile import StatsFile
@@ -229,7 +229,7 @@ class HpkvScheduler:
                     st.waited_for_room = True
                     return None, False
                 st.stage_started = True
-                if self._load_async(bool(need)):
+                if self._load_async(bool(need), st.hit_end(C) - num_computed):
                     return self._answer_async(st, num_computed)
                 st.staging = self.catalog.stage(need, st.tenant)
             self._wait_alone(st.staging, deadline)
@@ -266,8 +266,7 @@ class HpkvScheduler:
         are promoted meanwhile, and each is sent to the workers as soon as it is in memory (see
         :meth:`_async_part`), so the reads of later chunks overlap the copies of earlier ones."""
         C = self.chunk_size
-        first = st.looked_from
-        hit = min((first + len(st.protected)) * C, st.prompt_len - 1)
+        first, hit = st.looked_from, st.hit_end(C)
         if hit <= num_computed:
             self._unprotect(st)
             st.staged = True
@@ -397,19 +396,11 @@ class HpkvScheduler:
         per_chunk = C // bs
         if st.pending_load:
             st.pending_load = False
-            chunks: list[ChunkLoad] = []
-            end = st.load_start + st.load_tokens
-            for n, slot in enumerate(st.lease):
-                j = st.lease_first + n
-                lo, hi = max(j * C, st.load_start), min((j + 1) * C, end)
-                if hi <= lo:
-                    continue
-                blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
-                chunks.append(ChunkLoad(slot, st.lks[j], blocks, lo - j * C, hi - lo))
+            chunks = st.leased_chunks(C, bs)
             op = self._new_op(Op("load", st.lease, remaining=self.world_size, tokens=st.load_tokens))
             meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.tiers))
             st.lease = []  # now owned by the op, released when every rank has copied
-            st.next_store = max(st.next_store, end // C)
+            st.next_store = max(st.next_store, (st.load_start + st.load_tokens) // C)
         if not self.store_enabled or not st.lks:
             return
         limit = min(computed_after, st.prompt_len, len(st.lks) * C) // C
@@ -529,15 +520,18 @@ class HpkvScheduler:
             if done and rest:
                 wait(rest, timeout=ASYNC_GATHER_S, return_when=ALL_COMPLETED)
 
-    def _load_async(self, slow: bool) -> bool:
-        """Whether a hit (``slow``: it needs storage or valkey) loads asynchronously
-        (``HPKV_ASYNC_LOAD``). "auto": on a GPU, while the engine has any other request. A
-        synchronous load is copied inside the step that admits the request, and that step's compute
-        waits for it: on the H200 ~9 ms per 448 MiB hit, several hits admitted together stacking up,
-        for every request in the step. Alone, the synchronous load saves the hit an engine step."""
+    def _load_async(self, slow: bool, tokens: int) -> bool:
+        """Whether a hit of ``tokens`` to load (``slow``: it needs storage or valkey) loads
+        asynchronously (``HPKV_ASYNC_LOAD``). "auto": on a GPU, a load of a chunk or more while the
+        engine has any other request. A synchronous load is copied inside the step that admits the
+        request, and that step's compute waits for it: on the H200 ~9 ms per 448 MiB hit, several hits
+        admitted together stacking up, for every request in the step. Alone, the synchronous load
+        saves the hit an engine step; so does a load shorter than a chunk (the tail after vLLM's own
+        prefix-cache hit, the commonest: async, it cost such a request 30 ms on the H200, and its
+        copy is a fraction of a millisecond)."""
         mode = self.config.async_load
         if mode == "auto":
-            return self.gpu and self._busy()
+            return self.gpu and tokens >= self.chunk_size and self._busy()
         return slow and mode == "true"
 
     def _busy(self) -> bool:
