@@ -53,6 +53,10 @@ def test_revisits_are_served_by_hpkvs_tiers_with_vllm_alones_texts(
         assert m["ttft_first_p50_ms"] == pytest.approx((ttfts[1] + ttfts[2]) / 2 * 1e3)
         later = sorted(r["ttfts"][4:])
         assert m["ttft_later_p50_ms"] == pytest.approx((later[1] + later[2]) / 2 * 1e3)
+        # When each request was sent: at concurrency 1, each after the one before it had its first token.
+        sent = r["sent_s"]
+        assert len(sent) == 8 and sent[0] == 0
+        assert all(b >= a + t for a, b, t in zip(sent, sent[1:], r["ttfts"], strict=False))
     assert "first turns (cold)" in text
 
 

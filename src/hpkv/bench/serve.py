@@ -297,6 +297,8 @@ def one_run(
         run["sources"] = sources(sum(result["input_lens"]), engine, hp, chunk, ranks)
         run["preemptions"] = engine.get("num_preemptions")  # None: this vLLM does not export it
         run["ttfts"] = result["ttfts"]
+        sent = result.get("start_times") or []  # with the TTFTs: which request overtook which
+        run["sent_s"] = [t - min(sent) for t in sent]
         run["texts"] = result["generated_texts"]
         run["errors"] = [e for e in result["errors"] if e]
     except (ServerError, RuntimeError, OSError) as e:
