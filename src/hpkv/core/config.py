@@ -156,9 +156,9 @@ class HpkvConfig:
     # unscheduled, its chunks go to the engine as soon as they are in memory, and no step waits for
     # the copies). "true": every hit that needs storage or Valkey. "false": none ("ask again" until
     # every chunk is in memory, then one load inside the request's first step). "auto": on a GPU,
-    # every hit found while the engine has other requests, so that no step serving them waits for
-    # its copies; a request alone, and every request on the CPU build (whose copies run inline
-    # either way), as "false".
+    # every load of a chunk or more found while the engine has other requests, so that no step
+    # serving them waits for its copies; a request alone, a shorter load, and every request on the
+    # CPU build (whose copies run inline either way), as "false".
     async_load: str = "auto"
     # Accept pool and storage directories that their group may write (a group of trusted engines).
     shared_group: bool = False
