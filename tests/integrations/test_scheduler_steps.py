@@ -13,6 +13,8 @@ CPU build, and on a GPU for a request alone); the ``async`` ones at the end run 
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -874,3 +876,32 @@ def test_async_auto_a_load_shorter_than_a_chunk_stays_synchronous(make_sim: Any)
     assert sim.counters()["async_loads"] == 1
     assert sim.counters()["loaded_tokens"] == BLOCK + CHUNK
     sim.cat.check()
+
+
+def test_the_step_trace_records_each_lookup_step_report_and_finish(make_sim: Any, tmp_path: Any) -> None:
+    """``HPKV_STEP_TRACE``: one JSON line per lookup answered, step scheduled, step reported and
+    request finished, each stamped with time.monotonic(); what a hit's step carried is in it."""
+    sim = make_sim(step_trace=str(tmp_path))
+    tokens = prompt(2, seed=51)
+    req, load = sim.hit_and_load("hit", tokens, 2)
+    sim.report({load.op_id: (1, 0)})
+    sim.s.request_finished(req)
+    sim.s.shutdown()
+    [path] = tmp_path.glob("steps-*")
+    assert path.name == f"steps-{os.getpid()}.jsonl"
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["ev"] for e in events] == ["lookup", "step", "done", "finished"] * 2
+    ts = [e["t"] for e in events]
+    assert ts == sorted(ts) and ts[-1] <= time.monotonic()
+    cold_lookup, cold_step = events[0], events[1]
+    assert (cold_lookup["id"], cold_lookup["len"], cold_lookup["hit"], cold_lookup["async"]) == (
+        "hit-cold",
+        len(tokens),
+        0,
+        False,
+    )
+    assert cold_step["tokens"] == len(tokens) and cold_step["stores"] == 2 and cold_step["loads"] == []
+    hit_lookup, hit_step, report = events[4], events[5], events[6]
+    assert (hit_lookup["id"], hit_lookup["hit"]) == ("hit", 2 * CHUNK)
+    assert hit_step["reqs"] == {"hit": 1} and hit_step["loads"] == [["hit", 2, False]]
+    assert report["computed"] is True

@@ -299,6 +299,7 @@ def one_run(
         run["ttfts"] = result["ttfts"]
         sent = result.get("start_times") or []  # with the TTFTs: which request overtook which
         run["sent_s"] = [t - min(sent) for t in sent]
+        run["sent_at"] = sent  # perf_counter: CLOCK_MONOTONIC on Linux, as an HPKV_STEP_TRACE's stamps
         run["texts"] = result["generated_texts"]
         run["errors"] = [e for e in result["errors"] if e]
     except (ServerError, RuntimeError, OSError) as e:

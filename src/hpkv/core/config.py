@@ -66,6 +66,7 @@ _SPECS: dict[str, _Spec] = {
     "write_behind": _Spec("HPKV_WRITE_BEHIND", "idle", "choice"),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
     "async_load": _Spec("HPKV_ASYNC_LOAD", "auto", "choice"),
+    "step_trace": _Spec("HPKV_STEP_TRACE", "/tmp/hpkv-steps", "optpath"),
     "shared_group": _Spec("HPKV_SHARED_GROUP", "true", "bool"),
     "auth_key": _Spec("HPKV_AUTH_KEY", "<32 random characters, e.g. from: openssl rand -hex 16>", "optstr"),
     "remote_url": _Spec("HPKV_REMOTE_URL", "valkey://127.0.0.1:6379", "url"),
@@ -160,6 +161,10 @@ class HpkvConfig:
     # serving them waits for its copies; a request alone, a shorter load, and every request on the
     # CPU build (whose copies run inline either way), as "false".
     async_load: str = "auto"
+    # vLLM: a directory where the engine's scheduler writes one JSON line per lookup, step and step
+    # report it sees (integrations/vllm/steptrace.py), for finding where a request's time went.
+    # None: no trace.
+    step_trace: str | None = None
     # Accept pool and storage directories that their group may write (a group of trusted engines).
     shared_group: bool = False
     # A secret shared by every engine of one cache: records carry a keyed MAC checked on every read

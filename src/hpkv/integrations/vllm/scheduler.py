@@ -28,6 +28,7 @@ from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest, S
 from hpkv.integrations.vllm.poolfull import PoolFullLog
 from hpkv.integrations.vllm.reqstate import Op, ReqState
 from hpkv.integrations.vllm.statsfile import StatsFile
+from hpkv.integrations.vllm.steptrace import StepTrace
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -108,6 +109,7 @@ class HpkvScheduler:
             "async_loads": 0,  # hits answered as vLLM's async load (HPKV_ASYNC_LOAD)
         }
         self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
+        self.trace = StepTrace(config.step_trace)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self.stats_file.write(self.stats, force=True)
         # Background tier work (cascade writes, promotions) changes counters between steps.
@@ -162,6 +164,21 @@ class HpkvScheduler:
             st.arrival = ArrivalCheck.start(self.catalog, st.lks, st.tenant)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
+        """See :meth:`_lookup`; traced (``HPKV_STEP_TRACE``)."""
+        hit, asynchronous = self._lookup(request, num_computed)
+        if self.trace.on:
+            st = self._reqs[request.request_id]
+            self.trace.event(
+                "lookup",
+                id=request.request_id,
+                len=st.prompt_len,
+                computed=num_computed,
+                hit=hit,
+                **{"async": asynchronous},
+            )
+        return hit, asynchronous
+
+    def _lookup(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """How many tokens past ``num_computed`` hpkv can load; ``None`` = ask again next step.
 
         Never waits while the engine has anything else to do (vLLM calls this inside the step that
@@ -341,6 +358,17 @@ class HpkvScheduler:
             if part is not None:
                 meta.loads.append(part)
         self.stats_file.write(self.stats)
+        if self.trace.on:
+            loads = [[x.req_id, len(x.chunks), x.asynchronous] for x in meta.loads]
+            tokens = dict(so.num_scheduled_tokens)
+            self.trace.event(
+                "step",
+                True,
+                tokens=so.total_num_scheduled_tokens,
+                reqs=tokens,
+                loads=loads,
+                stores=len(meta.stores),
+            )
         return meta
 
     def _async_part(self, req_id: str, st: ReqState) -> LoadRequest | None:
@@ -430,6 +458,7 @@ class HpkvScheduler:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         wm = output.kv_connector_worker_meta
+        self.trace.event("done", computed=getattr(wm, "computed", None))
         if not isinstance(wm, HpkvWorkerMeta):
             self.catalog.step_done(None)  # not our report: the oldest step in flight
             return
@@ -481,6 +510,7 @@ class HpkvScheduler:
         into its blocks, so vLLM must keep them until the workers report it received (they do
         once the copies landed; its remaining part goes out at the next step)."""
         st = self._reqs.pop(request.request_id, None)
+        self.trace.event("finished", id=request.request_id)
         delay = False
         if st is not None:
             self._release_lease(st)
@@ -592,3 +622,4 @@ class HpkvScheduler:
         self.stats_file.write(self.stats, force=True)
         self.catalog.close()
         self.stats_file.remove()
+        self.trace.close()
