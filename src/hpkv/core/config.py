@@ -60,6 +60,7 @@ _SPECS: dict[str, _Spec] = {
     "chunk_size": _Spec("HPKV_CHUNK_SIZE", "256", "int", minimum=1, maximum=1 << 20),
     "salt": _Spec("HPKV_SALT", "tenant-a", "str"),
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
+    "busy_io_threads": _Spec("HPKV_BUSY_IO_THREADS", "1", "int", minimum=0, maximum=256),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
@@ -137,6 +138,10 @@ class HpkvConfig:
     salt: str = ""
     # Threads reading and writing storage chunk files in parallel.
     storage_io_threads: int = 4
+    # vLLM: while the engine computes a step, at most this many chunks are read from storage or
+    # Valkey at once (each checked on its reading thread); 0: no limit. Each reading thread needs
+    # the GIL back after every read, and several take it from the engine's own thread in turn.
+    busy_io_threads: int = 0
     # Read chunk files with O_DIRECT where the filesystem allows (falls back to buffered reads).
     storage_o_direct: bool = True
     # Write chunk files with O_DIRECT (their last partial page buffered): no page-cache copy of what
@@ -148,8 +153,7 @@ class HpkvConfig:
     cascade_queue_chunks: int = 256
     # vLLM: when the write-behind sends new chunks to storage and Valkey. "idle": while no computing
     # step is in flight (or at once when the queued writes hold half the pool's slots); "immediate": as
-    # soon as they are in memory; "auto": idle on the CPU build (the model and hpkv share its cores),
-    # immediate on a GPU.
+    # soon as they are in memory; "auto": idle, on the CPU build and on a GPU (connector.defer_writes).
     write_behind: str = "auto"
     # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.
     layerwise_load: bool = False

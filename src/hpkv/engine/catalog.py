@@ -151,7 +151,7 @@ class Catalog:
         if verify_threads is None:
             cores = len(os.sched_getaffinity(0))
             verify_threads = config.storage_io_threads if cores >= 2 * config.storage_io_threads else 0
-        self._reads = Reader(self, threads, verify_threads)
+        self._reads = Reader(self, threads, verify_threads, busy_threads=config.busy_io_threads)
         self._closed = False
         self._cascade = Cascade(
             config.cascade_queue_chunks,
@@ -499,6 +499,8 @@ class Catalog:
     def step_done(self, computed: bool | None = None) -> None:
         """A scheduled step's output is back (see :meth:`Cascade.step_done`)."""
         self._cascade.step_done(computed)
+        if not self._cascade.busy:
+            self._reads.engine_idle()
 
     @property
     def engine_busy_now(self) -> bool:
