@@ -905,3 +905,30 @@ def test_the_step_trace_records_each_lookup_step_report_and_finish(make_sim: Any
     assert (hit_lookup["id"], hit_lookup["hit"]) == ("hit", 2 * CHUNK)
     assert hit_step["reqs"] == {"hit": 1} and hit_step["loads"] == [["hit", 2, False]]
     assert report["computed"] is True
+
+
+def test_async_auto_on_a_gpu_a_storage_hit_alone_loads_asynchronously(make_sim: Any) -> None:
+    """``HPKV_ASYNC_LOAD=auto`` on a GPU: a hit that needs storage goes through the async load even
+    with nothing else in the engine (its chunks' copies then overlap the later reads: with CUDA
+    graphs 79.3 against 90.3 ms on the H200), while a memory hit alone stays synchronous."""
+    sim = make_sim(gpu=True, async_load="auto")
+    tokens = prompt(3, seed=61)
+    lks = in_storage_only(sim, tokens, 3)
+    alone = sim.request("alone", tokens)
+    assert sim.s.get_num_new_matched_tokens(alone, 0) == (3 * CHUNK, True)
+    ids = sim.admit(alone, 3 * CHUNK)
+    parts = parts_until_last(sim)
+    sent = [c for p in parts for c in p.chunks]
+    assert [c.lk for c in sent] == lks and [c.block_ids for c in sent] == [
+        ids[2 * j : 2 * j + 2] for j in range(3)
+    ]
+    sim.report({parts[0].op_id: (1, 0)})
+    assert sim.pinned() == 0 and not sim.s.has_pending_ops()
+    assert sim.counters()["async_loads"] == 1 and sim.counters()["loaded_tokens"] == 3 * CHUNK
+    assert sim.counters()["lookups_waited_alone"] == 0  # answered at once: nothing to wait for
+    sim.s.request_finished(alone)
+    again = sim.request("again", tokens)  # every chunk in memory now: a memory hit alone
+    assert sim.s.get_num_new_matched_tokens(again, 0) == (3 * CHUNK, False)
+    sim.s.request_finished(again)
+    assert sim.pinned() == 0
+    sim.cat.check()

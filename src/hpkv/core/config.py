@@ -161,9 +161,10 @@ class HpkvConfig:
     # unscheduled, its chunks go to the engine as soon as they are in memory, and no step waits for
     # the copies). "true": every hit that needs storage or Valkey. "false": none ("ask again" until
     # every chunk is in memory, then one load inside the request's first step). "auto": on a GPU,
-    # every load of a chunk or more found while the engine has other requests, so that no step
-    # serving them waits for its copies; a request alone, a shorter load, and every request on the
-    # CPU build (whose copies run inline either way), as "false".
+    # every load of a chunk or more that needs storage or Valkey (its copies overlap its reads) or
+    # that is found while the engine has other requests (no step serving them waits for its
+    # copies); a memory hit of a request alone, a shorter load, and every request on the CPU build
+    # (whose copies run inline either way), as "false".
     async_load: str = "auto"
     # vLLM: a directory where the engine's scheduler writes one JSON line per lookup, step and step
     # report it sees (integrations/vllm/steptrace.py), for finding where a request's time went.
