@@ -35,7 +35,8 @@ from typing import Any
 
 from hpkv.bench.server import Server, ServerError
 
-SYSTEMS = ("hpkv", "hpkv-sync", "hpkv-async", "none", "lmcache", "native")  # variants: see ttft.VARIANT_ENV
+# hpkv-*: hpkv with settings of its own (see ttft.VARIANT_ENV)
+SYSTEMS = ("hpkv", "hpkv-sync", "hpkv-async", "hpkv-busy1", "none", "lmcache", "native")
 
 
 @dataclass(frozen=True)
