@@ -212,7 +212,11 @@ def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest
     t.start()
     t.join(5)
     assert not t.is_alive(), "get_num_new_matched_tokens waited for a storage read"
-    assert answers == [None]  # ask again: the promotions are running
+    assert answers == [None]  # ask again: the promotions are under way
+    # Their reads start when vLLM's scheduling pass ends (build_connector_meta), not inside the pass,
+    # whose other lookups the reading threads would slow down (the GIL).
+    assert not gate.reading.wait(0.2)
+    sim.step()
     assert gate.reading.wait(5)
     assert sim.lookup(req) is None  # still held: still "later", still no wait
     gate.release.set()
@@ -242,6 +246,7 @@ def test_an_empty_step_waits_for_staging_only_with_no_computing_step_out(
     gate = Gate(sim, monkeypatch)
     req = sim.request("b", tokens)
     assert sim.lookup(req) is None  # staging, held at its first read
+    sim.cat.start_deferred()  # as the scheduling pass's end does (build_connector_meta)
     assert gate.reading.wait(5)
     waits: list[int] = []
     real = mod.wait
@@ -677,8 +682,8 @@ def test_async_a_storage_hit_is_answered_at_once_and_each_chunk_sent_as_it_arriv
     assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)  # no "later", no wait
     assert time.monotonic() - t0 < 1.0
     ids = sim.admit(req, 4 * CHUNK)
-    assert gate.reading.wait(5)
     [first] = sim.step().loads  # the chunk in memory goes at once; the others are still read
+    assert gate.reading.wait(5)  # started by that step (the end of the lookup's scheduling pass)
     assert first.asynchronous and not first.last
     assert [c.lk for c in first.chunks] == lks[:1] and first.chunks[0].block_ids == ids[:2]
     assert sim.step().loads == []  # nothing new while the reads are held
@@ -799,8 +804,8 @@ def test_async_chunks_that_arrive_together_go_out_in_one_step(
     req = sim.request("b", tokens)
     assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)
     sim.admit(req, 4 * CHUNK)
-    assert gate.reading.wait(5)
     [first] = sim.step().loads  # the chunk in memory
+    assert gate.reading.wait(5)
     assert [c.lk for c in first.chunks] == lks[:1]
     gate.release.set()
     rest = parts_until_last(sim)

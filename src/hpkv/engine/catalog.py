@@ -288,15 +288,21 @@ class Catalog:
 
     # -- promotion (a slower tier -> memory) -------------------------------------------
 
-    def stage(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[Future[bool]]:
+    def stage(self, lks: Iterable[bytes], tenant: str = SHARED, *, defer: bool = False) -> list[Future[bool]]:
         """Start promoting ``lks`` (those not in memory) into memory; never blocks.
 
         Returns the futures of the promotions now running for these keys (True: the chunk is in
         memory now). Each new promotion's slot is reserved here, on the calling thread (one that
         finds none is settled False at once). Without a memory tier nothing can be staged and the
-        list is empty.
+        list is empty. ``defer``: new promotions read only from :meth:`start_deferred` on (vLLM's
+        scheduler: after the lookups of one scheduling pass, which the reading threads would
+        otherwise slow down, contending for the GIL).
         """
-        return self._reads.stage(list(lks), tenant)
+        return self._reads.stage(list(lks), tenant, defer=defer)
+
+    def start_deferred(self) -> int:
+        """Start the promotions :meth:`stage` deferred; how many."""
+        return self._reads.start_deferred()
 
     def promoted(self, slot: int, lk: bytes) -> bool:
         """A promotion's record is in ``slot`` and checked on every rank: make it visible (unpinned)
@@ -512,8 +518,9 @@ class Catalog:
         return self.pools[i].view[off : off + self.record_bytes]
 
     def flush(self) -> None:
-        """Wait for every queued cascade write and every running promotion."""
+        """Wait for every queued cascade write and every promotion (deferred ones started)."""
         self._cascade.flush()
+        self._reads.start_deferred()
         for f in self._reads.pending():
             f.result()
 

@@ -94,6 +94,7 @@ class Reader:
             else None
         )
         self._scratch = threading.local()
+        self._deferred: list[tuple[bytes, int, str, Promotion]] = []  # see stage(defer=True)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn`` on an I/O thread (the remote tiers' existence checks)."""
@@ -106,14 +107,16 @@ class Reader:
 
     def close(self) -> None:
         """Stop the threads once their work is done."""
+        self.start_deferred()
         self._io.shutdown(wait=True)
         if self._verify is not None:  # after the I/O threads: their last fetches hand over here
             self._verify.shutdown(wait=True)
 
     # -- promotion (a slower tier -> memory) -------------------------------------------
 
-    def stage(self, lks: list[bytes], tenant: str = SHARED) -> list[Future[bool]]:
-        """See :meth:`Catalog.stage`."""
+    def stage(self, lks: list[bytes], tenant: str = SHARED, *, defer: bool = False) -> list[Future[bool]]:
+        """See :meth:`Catalog.stage`; ``defer``: the reads of new promotions wait for
+        :meth:`start_deferred` (their slots are reserved now)."""
         cat = self._cat
         futures: list[Future[bool]] = []
         if not cat.pools or not cat.tiers:
@@ -133,14 +136,28 @@ class Reader:
                 slot = cat.reserve()
                 if slot is None:
                     self._settle(lk, fut, False)
+                elif defer:
+                    with self._lock:
+                        self._deferred.append((lk, slot, tenant, fut))
                 else:
-                    try:
-                        self._io.submit(self._promote, lk, slot, tenant, fut)
-                    except RuntimeError:  # the reader is closing
-                        cat.abort(slot)
-                        self._settle(lk, fut, False)
+                    self._start(lk, slot, tenant, fut)
             futures.append(fut)
         return futures
+
+    def start_deferred(self) -> int:
+        """Start the reads that :meth:`stage` deferred; how many."""
+        with self._lock:
+            todo, self._deferred = self._deferred, []
+        for lk, slot, tenant, fut in todo:
+            self._start(lk, slot, tenant, fut)
+        return len(todo)
+
+    def _start(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
+        try:
+            self._io.submit(self._promote, lk, slot, tenant, fut)
+        except RuntimeError:  # the reader is closing
+            self._cat.abort(slot)
+            self._settle(lk, fut, False)
 
     def _promote(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
         """On an I/O thread: every rank's record of ``lk`` into its reserved ``slot``, then on to a

@@ -248,7 +248,9 @@ class HpkvScheduler:
                 st.stage_started = True
                 if self._load_async(bool(need), st.hit_end(C) - num_computed):
                     return self._answer_async(st, num_computed)
-                st.staging = self.catalog.stage(need, st.tenant)
+                # Under load the reads start once this scheduling pass is over (build_connector_meta):
+                # started now, they would slow the pass's other lookups (the GIL), and so the step.
+                st.staging = self.catalog.stage(need, st.tenant, defer=self._busy())
             self._wait_alone(st.staging, deadline)
             if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
                 return None, False
@@ -289,9 +291,13 @@ class HpkvScheduler:
             st.staged = True
             return 0, False
         needed = -(-hit // C) - first
+        # The chunks below memory are promoted, their reads started once this scheduling pass is over
+        # (build_connector_meta): started now, they would slow the pass's other lookups (the GIL),
+        # and so the step it sends. On the H200
+        # three such lookups in one pass took 12.5 ms, where a step goes 1.6 ms after the last report.
         wait_on: list[tuple[int, Future[bool] | None]] = []
         for i, lk in enumerate(st.protected[:needed]):
-            futs = [] if self.catalog.in_memory(lk) else self.catalog.stage([lk], st.tenant)
+            futs = [] if self.catalog.in_memory(lk) else self.catalog.stage([lk], st.tenant, defer=True)
             wait_on.append((i, futs[0] if futs else None))
         st.async_wait = wait_on
         st.staging = [f for _, f in wait_on if f is not None]
@@ -333,6 +339,7 @@ class HpkvScheduler:
     # -- per step ---------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
+        self.catalog.start_deferred()  # the reads of this pass's lookups (see Catalog.stage)
         computes = so.total_num_scheduled_tokens > 0
         meta = HpkvMeta(self.catalog.pool_paths, self.config.mem_pool_size, computes=computes)
         self.catalog.step_scheduled(computes)
