@@ -19,10 +19,8 @@ slows it is the GIL: each reading thread takes it back after every read::
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,14 +28,37 @@ from concurrent.futures import wait
 
 import torch
 
-from hpkv import HpkvConfig, KVStore
-from hpkv.core.layout import KVLayout
+from hpkv.bench.probe_records import stored_records
 from hpkv.engine.catalog import MEMORY, Catalog
 
-CHUNKS, CHUNK = 64, 256
-LAYOUT = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)  # Qwen2-7B's KV
+CHUNKS = 64
 WINDOW_S = 0.25
 OPS = 2000
+
+
+def engine_during(stage: Callable[[], float] | None, engine_core: int) -> tuple[float, float]:
+    """The engine thread's mean time for OPS ops over the window, and the staging rate."""
+    a, b = torch.ones(8), torch.ones(8)
+    took: list[float] = []
+    go = threading.Event()
+
+    def engine() -> None:
+        os.sched_setaffinity(0, {engine_core})
+        go.wait()
+        end = time.perf_counter() + WINDOW_S
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            for _ in range(OPS):
+                torch.add(a, b)
+            took.append(time.perf_counter() - t0)
+
+    th = threading.Thread(target=engine)
+    th.start()
+    time.sleep(0.05)
+    go.set()
+    rate = stage() if stage is not None else (time.sleep(WINDOW_S) or 0.0)
+    th.join()
+    return statistics.mean(took), rate
 
 
 def main() -> int:
@@ -48,58 +69,10 @@ def main() -> int:
     engine_core, rest = cores[0], set(cores[1:])
     os.sched_setaffinity(0, rest)  # this thread, and the threads it starts (the catalogs' pools)
     torch.set_num_threads(1)
-    root = tempfile.mkdtemp(prefix="probe-interfere-", dir=os.path.expanduser("~"))
-    shm = tempfile.mkdtemp(prefix="probe-interfere-", dir="/dev/shm")
-    payload = LAYOUT.chunk_bytes(CHUNK)
-    toks = list(range(CHUNKS * CHUNK))
-    kv = torch.randint(0, 256, (CHUNKS * payload,), dtype=torch.uint8).view(torch.bfloat16)
-    kv = kv.view(LAYOUT.num_layers, 2, CHUNKS * CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-
-    def config(threads: int, busy: int = 0) -> HpkvConfig:
-        return HpkvConfig(
-            mem_pool_size=int(CHUNKS * payload * 1.2) + (64 << 20),
-            share_mem_file_path=shm,
-            storage_path=root,
-            chunk_size=CHUNK,
-            storage_io_threads=threads,
-            busy_io_threads=busy,
-        )
-
-    a, b = torch.ones(8), torch.ones(8)
-
-    def engine_during(stage: Callable[[], float] | None) -> tuple[float, float]:
-        """The engine thread's mean time for OPS ops over the window, and the staging rate."""
-        took: list[float] = []
-        go = threading.Event()
-
-        def engine() -> None:
-            os.sched_setaffinity(0, {engine_core})
-            go.wait()
-            end = time.perf_counter() + WINDOW_S
-            while time.perf_counter() < end:
-                t0 = time.perf_counter()
-                for _ in range(OPS):
-                    torch.add(a, b)
-                took.append(time.perf_counter() - t0)
-
-        th = threading.Thread(target=engine)
-        th.start()
-        time.sleep(0.05)
-        go.set()
-        rate = stage() if stage is not None else (time.sleep(WINDOW_S) or 0.0)
-        th.join()
-        return statistics.mean(took), rate
-
-    cats: list[Catalog] = []
-    try:
-        with KVStore(config(4), LAYOUT) as s:
-            s.put(toks, kv)
-            s.flush()
-            namespace, keys = s.namespace, s.keys(toks)
+    with stored_records(CHUNKS, "probe-interfere-") as rec:
         variants: dict[str, Callable[[], float] | None] = {"nothing staging": None}
         for threads, verify, busy in ((4, 4, 0), (4, 0, 0), (2, 0, 0), (1, 0, 0), (4, 4, 1)):
-            cat = Catalog(config(threads, busy), namespace, verify_threads=verify)
-            cats.append(cat)
+            cat = rec.catalog(threads, verify, busy_io_threads=busy)
             if busy:
                 cat.step_scheduled(True)  # a computing step out, never answered here
 
@@ -108,21 +81,21 @@ def main() -> int:
                 n = 0
                 while time.perf_counter() - t0 < WINDOW_S:
                     cat.clear((MEMORY,))
-                    futures = cat.stage(keys)
+                    futures = cat.stage(rec.keys)
                     wait(futures)
                     assert all(f.result() for f in futures), "a promotion failed"
                     n += 1
-                return n * CHUNKS * payload / 1e9 / (time.perf_counter() - t0)
+                return n * CHUNKS * rec.payload / 1e9 / (time.perf_counter() - t0)
 
             variants[f"{threads}/{verify}" + (f", busy {busy}" if busy else "")] = stage
         results: dict[str, list[tuple[float, float]]] = {k: [] for k in variants}
         for _ in range(rounds):
             for name, fn in variants.items():
-                results[name].append(engine_during(fn))
+                results[name].append(engine_during(fn, engine_core))
         base = statistics.median(t for t, _ in results["nothing staging"])
         print(
             f"{os.uname().release}, {len(cores)} cores (engine thread on core {engine_core}); "
-            f"{CHUNKS} records of {payload / 2**20:.1f} MiB from the page cache; {rounds} rounds"
+            f"{CHUNKS} records of {rec.payload / 2**20:.1f} MiB from the page cache; {rounds} rounds"
         )
         for name, rs in results.items():
             t = statistics.median(x for x, _ in rs)
@@ -132,11 +105,6 @@ def main() -> int:
                 f"{name:16s} engine {OPS} ops {t * 1e3:6.2f} ms = {t / base:4.2f}x (rounds {spread})"
                 f"  staging {rate:5.2f} GB/s"
             )
-    finally:
-        for cat in cats:
-            cat.close()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
     return 0
 
 

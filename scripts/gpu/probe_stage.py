@@ -18,24 +18,18 @@ So the in-vLLM storage row can be told apart from what hpkv's code costs by itse
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import wait
 
-import torch
-
-from hpkv import HpkvConfig, KVStore
+from hpkv.bench.probe_records import stored_records
 from hpkv.bench.refs import raw_read_gbps
-from hpkv.core.layout import KVLayout
 from hpkv.engine.catalog import MEMORY, Catalog
 
-CHUNKS, CHUNK = 32, 256
-LAYOUT = KVLayout(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)  # Qwen2-7B's KV
+CHUNKS = 32
 
 
 def busy(fn: Callable[[], float], interval: float) -> float:
@@ -62,35 +56,13 @@ def busy(fn: Callable[[], float], interval: float) -> float:
 def main() -> int:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 7
     cores = len(os.sched_getaffinity(0))
-    root = tempfile.mkdtemp(prefix="probe-stage-", dir=os.path.expanduser("~"))
-    shm = tempfile.mkdtemp(prefix="probe-stage-", dir="/dev/shm")
-    payload = LAYOUT.chunk_bytes(CHUNK)
-    gb = CHUNKS * payload / 1e9
-    toks = list(range(CHUNKS * CHUNK))
-    kv = torch.randint(0, 256, (CHUNKS * payload,), dtype=torch.uint8).view(torch.bfloat16)
-    kv = kv.view(LAYOUT.num_layers, 2, CHUNKS * CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-
-    def config(threads: int) -> HpkvConfig:
-        return HpkvConfig(
-            mem_pool_size=int(CHUNKS * payload * 1.2) + (64 << 20),
-            share_mem_file_path=shm,
-            storage_path=root,
-            chunk_size=CHUNK,
-            storage_io_threads=threads,
-        )
-
-    cats: list[Catalog] = []
-    try:
-        with KVStore(config(4), LAYOUT) as s:
-            s.put(toks, kv)
-            s.flush()
-            namespace, keys = s.namespace, s.keys(toks)
+    with stored_records(CHUNKS, "probe-stage-") as rec:
+        root, keys, gb = rec.root, rec.keys, CHUNKS * rec.payload / 1e9
         variants: dict[str, Callable[[], float]] = {}
         for threads, verify in ((4, 4), (4, 0), (8, 0), (8, 8)):
             if verify and threads + verify > 2 * cores:
                 continue
-            cat = Catalog(config(threads), namespace, verify_threads=verify)
-            cats.append(cat)
+            cat = rec.catalog(threads, verify)
 
             def stage(cat: Catalog = cat) -> float:
                 cat.clear((MEMORY,))
@@ -116,18 +88,13 @@ def main() -> int:
             for name, fn in variants.items():
                 rates[name].append(fn())
         print(
-            f"{os.uname().release}, {cores} cores; {CHUNKS} records of {payload / 2**20:.1f} MiB, "
+            f"{os.uname().release}, {cores} cores; {CHUNKS} records of {rec.payload / 2**20:.1f} MiB, "
             f"{rounds} rounds"
         )
         for name, rs in rates.items():
             ref = statistics.median(rates["raw 8" if name.startswith(("stage 8", "raw 8")) else "raw 4"])
             m = statistics.median(rs)
             print(f"{name:24s} {m:6.2f} GB/s  {m / ref:4.2f}x raw  (rounds {min(rs):.2f}-{max(rs):.2f})")
-    finally:
-        for cat in cats:
-            cat.close()
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
     return 0
 
 
