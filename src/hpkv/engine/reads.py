@@ -79,8 +79,9 @@ class Reader:
         computes a step (:attr:`Catalog.engine_busy_now`), at most this many promotions read at
         once, each checked on its own I/O thread. Every thread that wakes from a read needs the
         GIL the engine's own thread runs its step on, and several contending take it from that
-        thread in turn: an engine-like Python thread ran 1.37-1.64x slower beside 4 reading
-        threads (with and without verify threads), 1.07x beside one (scripts/probe_interfere.py)."""
+        thread in turn: an engine-like Python thread ran 1.43-1.68x slower beside 4 reading
+        threads (without and with verify threads), 1.10x beside one, 1.09x with this limit at 1
+        (scripts/probe_interfere.py)."""
         self._cat = cat
         self._busy_threads = busy_threads
         self._gate = threading.Condition()  # promotions reading now, and their limit while busy
