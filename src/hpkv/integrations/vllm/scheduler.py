@@ -11,14 +11,12 @@ step and made visible when every rank confirms.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
-from hpkv.core.procs import name_os_thread
 from hpkv.engine.catalog import MEMORY, Catalog
 from hpkv.engine.reads import staged_line
 from hpkv.integrations.vllm.arrival import ArrivalCheck
@@ -27,7 +25,7 @@ from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.poolfull import PoolFullLog
 from hpkv.integrations.vllm.reqstate import Op, ReqState
-from hpkv.integrations.vllm.statsfile import StatsFile
+from hpkv.integrations.vllm.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.steptrace import StepTrace
 
 if TYPE_CHECKING:
@@ -53,8 +51,6 @@ IDLE_WAIT_S = 0.02
 # spinning in Python, 4 I/O threads staged at 3.0 GB/s instead of 15.0 on the H200's host:
 # scripts/gpu/probe_stage.py). After the first arrival the step gathers the others for this long.
 ASYNC_GATHER_S = 0.005
-STATS_REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
-STATS_REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
 PENDING_OPS_MAX_S = 60.0
 POOL_FULL_LOG_S = 30.0  # at most one "pool full, chunks not stored" warning per this many seconds
 
@@ -112,10 +108,7 @@ class HpkvScheduler:
         self.trace = StepTrace(config.step_trace)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
         self.stats_file.write(self.stats, force=True)
-        # Background tier work (cascade writes, promotions) changes counters between steps.
-        self._stop = threading.Event()
-        self._refresher = threading.Thread(target=self._refresh_stats, name="hpkv-stats", daemon=True)
-        self._refresher.start()
+        self._refresher = Refresher(self.stats_file, self.stats, lambda: self.catalog.engine_busy_now)
         log.info(
             "hpkv: scheduler ready: tiers %s, chunk %d tokens, %s per chunk per rank, %d rank(s)",
             ",".join(t for t in self.catalog.stats() if "." not in t) or "none",
@@ -166,16 +159,9 @@ class HpkvScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """See :meth:`_lookup`; traced (``HPKV_STEP_TRACE``)."""
         hit, asynchronous = self._lookup(request, num_computed)
-        if self.trace.on:
-            st = self._reqs[request.request_id]
-            self.trace.event(
-                "lookup",
-                id=request.request_id,
-                len=st.prompt_len,
-                computed=num_computed,
-                hit=hit,
-                **{"async": asynchronous},
-            )
+        self.trace.lookup(
+            request.request_id, self._reqs[request.request_id].prompt_len, num_computed, hit, asynchronous
+        )
         return hit, asynchronous
 
     def _lookup(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
@@ -248,8 +234,7 @@ class HpkvScheduler:
                 st.stage_started = True
                 if self._load_async(bool(need), st.hit_end(C) - num_computed):
                     return self._answer_async(st, num_computed)
-                # Under load the reads start once this scheduling pass is over (build_connector_meta):
-                # started now, they would slow the pass's other lookups (the GIL), and so the step.
+                # Under load the reads start when this scheduling pass ends (see _answer_async).
                 st.staging = self.catalog.stage(need, st.tenant, defer=self._busy())
             self._wait_alone(st.staging, deadline)
             if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
@@ -291,10 +276,10 @@ class HpkvScheduler:
             st.staged = True
             return 0, False
         needed = -(-hit // C) - first
-        # The chunks below memory are promoted, their reads started once this scheduling pass is over
+        # The chunks below memory are promoted, their reads started when this scheduling pass ends
         # (build_connector_meta): started now, they would slow the pass's other lookups (the GIL),
-        # and so the step it sends. On the H200
-        # three such lookups in one pass took 12.5 ms, where a step goes 1.6 ms after the last report.
+        # and so the step it sends. On the H200 three such lookups in one pass took 12.5 ms, where a
+        # step goes 1.6 ms after the last report at the median.
         wait_on: list[tuple[int, Future[bool] | None]] = []
         for i, lk in enumerate(st.protected[:needed]):
             futs = [] if self.catalog.in_memory(lk) else self.catalog.stage([lk], st.tenant, defer=True)
@@ -365,17 +350,7 @@ class HpkvScheduler:
             if part is not None:
                 meta.loads.append(part)
         self.stats_file.write(self.stats)
-        if self.trace.on:
-            loads = [[x.req_id, len(x.chunks), x.asynchronous] for x in meta.loads]
-            tokens = dict(so.num_scheduled_tokens)
-            self.trace.event(
-                "step",
-                True,
-                tokens=so.total_num_scheduled_tokens,
-                reqs=tokens,
-                loads=loads,
-                stores=len(meta.stores),
-            )
+        self.trace.step(so, meta)
         return meta
 
     def _async_part(self, req_id: str, st: ReqState) -> LoadRequest | None:
@@ -617,20 +592,8 @@ class HpkvScheduler:
             "ranks": self.world_size,
         }
 
-    def _refresh_stats(self) -> None:
-        name_os_thread()
-        last = 0.0
-        while not self._stop.wait(STATS_REFRESH_S):
-            if self.catalog.engine_busy_now and time.monotonic() - last < STATS_REFRESH_BUSY_S:
-                continue  # gathering the counters takes CPU from the step; once idle, at once
-            last = time.monotonic()
-            try:
-                self.stats_file.write(self.stats)
-            except Exception:  # a full disk must not kill the thread; the next try may work
-                log.debug("hpkv: stats file write failed", exc_info=True)
-
     def shutdown(self) -> None:
-        self._stop.set()
+        self._refresher.stop()
         self.stats_file.write(self.stats, force=True)
         self.catalog.close()
         self.stats_file.remove()

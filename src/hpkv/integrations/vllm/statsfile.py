@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import logging
 import os
 import threading
 import time
@@ -19,10 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from hpkv.core.paths import read_regular_file
-from hpkv.core.procs import pid_alive
+from hpkv.core.procs import name_os_thread, pid_alive
+
+log = logging.getLogger("hpkv")
 
 SUFFIX = ".stats.json"
 HEARTBEAT_S = 0.25
+REFRESH_S = 0.1  # the file itself is rewritten only on a change or a heartbeat
+REFRESH_BUSY_S = 1.0  # while the engine computes (each refresh gathers every tier's counters)
 
 
 class StatsFile:
@@ -99,3 +104,32 @@ def read_all(share_mem_file_path: str) -> list[dict[str, Any]]:
 def _pid_of(path: str) -> int | None:
     name = os.path.basename(path)[len("hpkv-") : -len(SUFFIX)]
     return int(name) if name.isdigit() else None
+
+
+class Refresher:
+    """Keeps a stats file current between steps (background tier work, cascade writes and
+    promotions, changes counters when no step runs): every REFRESH_S, or every REFRESH_BUSY_S
+    while ``busy()`` says the engine computes, since gathering the counters takes CPU from the step."""
+
+    def __init__(
+        self, file: StatsFile, stats: Callable[[], dict[str, Any]], busy: Callable[[], bool]
+    ) -> None:
+        self._file, self._stats, self._busy = file, stats, busy
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hpkv-stats", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        name_os_thread()
+        last = 0.0
+        while not self._stop.wait(REFRESH_S):
+            if self._busy() and time.monotonic() - last < REFRESH_BUSY_S:
+                continue  # once idle, at once
+            last = time.monotonic()
+            try:
+                self._file.write(self._stats)
+            except Exception:  # a full disk must not kill the thread; the next try may work
+                log.debug("hpkv: stats file write failed", exc_info=True)
+
+    def stop(self) -> None:
+        self._stop.set()

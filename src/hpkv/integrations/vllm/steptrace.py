@@ -21,7 +21,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from hpkv.integrations.vllm.meta import HpkvMeta
 
 STEP_TRACE_FILE = "steps-{pid}.jsonl"
 
@@ -44,6 +49,22 @@ class StepTrace:
         self._f.write(json.dumps({"t": round(time.monotonic(), 6), "ev": ev, **fields}) + "\n")
         if flush:
             self._f.flush()
+
+    def lookup(
+        self, req_id: str, prompt_len: int, computed: int, hit: int | None, asynchronous: bool
+    ) -> None:
+        if self._f is not None:
+            fields: dict[str, Any] = {"id": req_id, "len": prompt_len, "computed": computed, "hit": hit}
+            fields["async"] = asynchronous  # a keyword in Python
+            self.event("lookup", **fields)
+
+    def step(self, so: SchedulerOutput, meta: HpkvMeta) -> None:
+        """A step scheduled: what it computes for whom, and the loads and stores it carries."""
+        if self._f is not None:
+            loads = [[x.req_id, len(x.chunks), x.asynchronous] for x in meta.loads]
+            reqs = dict(so.num_scheduled_tokens)
+            total = so.total_num_scheduled_tokens
+            self.event("step", True, tokens=total, reqs=reqs, loads=loads, stores=len(meta.stores))
 
     def close(self) -> None:
         if self._f is not None:
