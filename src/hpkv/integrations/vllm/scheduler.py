@@ -159,9 +159,9 @@ class HpkvScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """See :meth:`_lookup`; traced (``HPKV_STEP_TRACE``)."""
         hit, asynchronous = self._lookup(request, num_computed)
-        self.trace.lookup(
-            request.request_id, self._reqs[request.request_id].prompt_len, num_computed, hit, asynchronous
-        )
+        if self.trace.on:  # nothing to gather on every lookup otherwise
+            st = self._reqs[request.request_id]
+            self.trace.lookup(request.request_id, st.prompt_len, num_computed, hit, asynchronous)
         return hit, asynchronous
 
     def _lookup(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
