@@ -1,6 +1,6 @@
 # The load levels on the H200: hpkv (HPKV_ASYNC_LOAD=auto) next to hpkv-sync (=false, the load mode before
 # "auto") and vLLM alone, the fifteenth session's workload. LOAD_LEVELS (default 16), LOAD_COMPARE (default
-# hpkv,hpkv-sync,none; add native; hpkv-busy1 is hpkv with HPKV_BUSY_IO_THREADS=1), LOAD_TIMEOUT (default 560 s: ~80 s per system and level at 16),
+# hpkv,hpkv-sync,none; add native; hpkv-busy1 is hpkv with HPKV_BUSY_IO_THREADS=1, hpkv-ioproc with HPKV_IO_PROCESS=true), LOAD_TIMEOUT (default 560 s: ~80 s per system and level at 16),
 # LOAD_TURNS (default 3), LOAD_REPEAT (default 1), LOAD_NAME (default serve: names the outputs, for two runs
 # in one call). HPKV_STEP_TRACE=$OUT/trace in the caller's environment traces each hpkv server's steps
 # (scripts/steps.py reads them).

@@ -144,9 +144,10 @@ def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
 
     assert "hpkv-layerwise" in SYSTEMS
     assert set(VARIANT_ENV) <= set(SYSTEMS)
-    assert {"hpkv-sync", "hpkv-async", "hpkv-busy1"} <= set(SERVE_SYSTEMS)
+    assert {"hpkv-sync", "hpkv-async", "hpkv-busy1", "hpkv-ioproc"} <= set(SERVE_SYSTEMS)
     assert VARIANT_ENV["hpkv-sync"] == {"HPKV_ASYNC_LOAD": "false"}  # the load mode before "auto"
     assert VARIANT_ENV["hpkv-busy1"] == {"HPKV_BUSY_IO_THREADS": "1"}
+    assert VARIANT_ENV["hpkv-ioproc"] == {"HPKV_IO_PROCESS": "true"}
     args = argparse.Namespace(url=None)
     hits = ["prefill", "gpu", "memory", "storage", "valkey"]
     lw = Runner(args, "hpkv-layerwise", None, [], E, [])

@@ -244,6 +244,9 @@ def test_restart_serves_storage_hits_with_the_cold_text(server: Server, demo_mod
         b = f.read(1)
         f.seek(-100, os.SEEK_END)
         f.write(bytes([b[0] ^ 0x5A]))
+    # From here on the storage hits are read and checked by the I/O process (HPKV_IO_PROCESS): the
+    # same texts, the same miss for the corrupted chunk, each record counted as the child's.
+    server.env["HPKV_IO_PROCESS"] = "true"
     server.start()
     waited = Counters(server)
     for n in (300, 3000):
@@ -251,6 +254,7 @@ def test_restart_serves_storage_hits_with_the_cold_text(server: Server, demo_mod
         c = Counters(server)
         assert text(server, p) == cold[p], f"{n}-token prompt: storage hit changed the output"
         assert c.delta("storage", "hits") == n // CHUNK
+        assert c.delta("storage", "io_process_reads") == n // CHUNK
         assert c.delta("memory", "promotions") == n // CHUNK
         assert c.delta("connector", "loaded_tokens") == (n // CHUNK) * CHUNK
     if _has_cuda():  # HPKV_ASYNC_LOAD=auto: on a GPU a storage hit loads asynchronously, alone too
@@ -264,7 +268,7 @@ def test_corrupted_chunk_file_is_recomputed_not_served(server: Server, demo_mode
     p = words_prompt(demo_model, 1000, seed=1000)
     c = Counters(server)
     assert text(server, p) == cold[p]
-    assert c.delta("storage", "corrupt") == 1
+    assert c.delta("storage", "corrupt") == 1  # the child refused it; the engine's own read found why
     assert c.delta("connector", "loaded_tokens") < 3 * CHUNK  # the hit stopped at the bad chunk
 
 
@@ -279,6 +283,7 @@ def test_mixed_hit_memory_then_storage(server: Server, demo_model: str, env: dic
     assert text(server, full) == env["cold"][full]
     assert c.delta("memory", "hits") == n // CHUNK
     assert c.delta("memory", "promotions") == n // CHUNK - 4  # the rest came from storage
+    assert c.delta("storage", "io_process_reads") == n // CHUNK - 4
 
 
 def test_bad_hpkv_value_refuses_to_start(demo_model: str, env: dict) -> None:

@@ -61,6 +61,7 @@ _SPECS: dict[str, _Spec] = {
     "salt": _Spec("HPKV_SALT", "tenant-a", "str"),
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
     "busy_io_threads": _Spec("HPKV_BUSY_IO_THREADS", "1", "int", minimum=0, maximum=256),
+    "io_process": _Spec("HPKV_IO_PROCESS", "true", "bool"),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
@@ -142,6 +143,9 @@ class HpkvConfig:
     # Valkey at once (each checked on its reading thread); 0: no limit. Each reading thread needs
     # the GIL back after every read, and several take it from the engine's own thread in turn.
     busy_io_threads: int = 0
+    # Storage hits are read into the memory pool and checked in a helper process (its own GIL), not on
+    # threads of the engine's process (engine/ioproc.py). Off until measured inside vLLM on a GPU.
+    io_process: bool = False
     # Read chunk files with O_DIRECT where the filesystem allows (falls back to buffered reads).
     storage_o_direct: bool = True
     # Write chunk files with O_DIRECT (their last partial page buffered): no page-cache copy of what

@@ -61,6 +61,11 @@ def set_auth_key(key: bytes | None) -> None:
         _auth_key = key
 
 
+def current_auth_key() -> bytes | None:
+    """The key :func:`set_auth_key` set in this process (a helper process must check with it too)."""
+    return _auth_key
+
+
 def _mac(buf: memoryview, payload_len: int, key: bytes) -> bytes:
     h = hashlib.blake2b(buf[:_MAC_AT], digest_size=16, key=key, person=b"hpkv-record-mac")
     h.update(buf[HEADER_BYTES : HEADER_BYTES + payload_len])

@@ -151,7 +151,7 @@ class Catalog:
         if verify_threads is None:
             cores = len(os.sched_getaffinity(0))
             verify_threads = config.storage_io_threads if cores >= 2 * config.storage_io_threads else 0
-        self._reads = Reader(self, threads, verify_threads, busy_threads=config.busy_io_threads)
+        self._reads = Reader(self, threads, verify_threads, config)
         self._closed = False
         self._cascade = Cascade(
             config.cascade_queue_chunks,

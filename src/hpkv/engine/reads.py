@@ -28,9 +28,13 @@ import torch
 from hpkv.core import record
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.procs import name_os_thread
+from hpkv.engine.ioproc import IoProcess, Read
 from hpkv.tiers.base import Tier
+from hpkv.tiers.disk.tier import NAME as STORAGE
+from hpkv.tiers.disk.tier import StorageTier
 
 if TYPE_CHECKING:
+    from hpkv.core.config import HpkvConfig
     from hpkv.engine.catalog import Catalog, Consume
 
 log = logging.getLogger(__name__)
@@ -73,9 +77,11 @@ def staged_line(futures: list[Future[bool]], request_id: str, since: float) -> s
 
 
 class Reader:
-    def __init__(self, cat: Catalog, io_threads: int, verify_threads: int, *, busy_threads: int = 0) -> None:
+    def __init__(self, cat: Catalog, io_threads: int, verify_threads: int, config: HpkvConfig) -> None:
         """``io_threads`` read; ``verify_threads`` check what they read (0: each I/O thread checks
-        its own reads). ``busy_threads`` (``HPKV_BUSY_IO_THREADS``; 0: no limit): while the engine
+        its own reads). With ``HPKV_IO_PROCESS`` a promotion from storage is read and checked in a
+        helper process with as many threads (:mod:`hpkv.engine.ioproc`).
+        ``busy_threads`` (``HPKV_BUSY_IO_THREADS``; 0: no limit): while the engine
         computes a step (:attr:`Catalog.engine_busy_now`), at most this many promotions read at
         once, each checked on its own I/O thread. Every thread that wakes from a read needs the
         GIL the engine's own thread runs its step on, and several contending take it from that
@@ -83,7 +89,7 @@ class Reader:
         threads (without and with verify threads), 1.10x beside one, 1.09x with this limit at 1
         (scripts/probe_interfere.py)."""
         self._cat = cat
-        self._busy_threads = busy_threads
+        self._busy_threads = config.busy_io_threads
         self._gate = threading.Condition()  # promotions reading now, and their limit while busy
         self._reading = 0
         self._lock = threading.Lock()  # guards _staging
@@ -96,6 +102,14 @@ class Reader:
         )
         self._scratch = threading.local()
         self._deferred: list[tuple[bytes, int, str, Promotion]] = []  # see stage(defer=True)
+        self._proc: IoProcess | None = None
+        if config.io_process and cat.pools and STORAGE in cat.tiers:
+            try:
+                paths = [p.path for p in cat.pools]
+                threads = config.storage_io_threads + verify_threads
+                self._proc = IoProcess(paths, cat.pools[0].size, threads, config.storage_o_direct)
+            except OSError as e:
+                log.warning("hpkv: HPKV_IO_PROCESS: no I/O process (%s); promotions are read here", e)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future[Any]:
         """Run ``fn`` on an I/O thread (the remote tiers' existence checks)."""
@@ -109,6 +123,8 @@ class Reader:
     def close(self) -> None:
         """Stop the threads once their work is done."""
         self.start_deferred()
+        if self._proc is not None:  # before the I/O threads: a failed read there is read again here
+            self._proc.close()
         self._io.shutdown(wait=True)
         if self._verify is not None:  # after the I/O threads: their last fetches hand over here
             self._verify.shutdown(wait=True)
@@ -154,11 +170,61 @@ class Reader:
         return len(todo)
 
     def _start(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
+        if self._proc is not None and self._start_in_child(lk, slot, tenant, fut):
+            return
+        self._start_here(lk, slot, tenant, fut)
+
+    def _start_here(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
         try:
             self._io.submit(self._promote, lk, slot, tenant, fut)
         except RuntimeError:  # the reader is closing
             self._cat.abort(slot)
             self._settle(lk, fut, False)
+
+    def _start_in_child(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> bool:
+        """Ask the I/O process for every rank's record of ``lk``, when storage is where each is read
+        from; False: it is not (or the process is gone), read it here. Once every rank's answer is in,
+        the slot is committed, or, where one failed, read again here, where the tiers say why."""
+        cat, proc = self._cat, self._proc
+        assert proc is not None
+        reads: list[tuple[StorageTier, bytes, Read]] = []
+        off = slot * cat.slot_bytes
+        for i in range(len(cat.ranks)):
+            rk = cat.record_key(i, lk)
+            tier = next(
+                (t for t in cat.slow_tiers(i) if not t.remote and t.contains_many([rk], tenant)[0]), None
+            )
+            if not isinstance(tier, StorageTier) or not proc.alive:
+                return False
+            reads.append(
+                (
+                    tier,
+                    rk,
+                    Read(i, off, cat.slot_bytes, tier.path(rk), tier.namespace, rk, tier.payload_bytes),
+                )
+            )
+        lock = threading.Lock()
+        state = {"left": len(reads), "ok": True}
+
+        def done(ok: bool) -> None:
+            with lock:
+                state["left"] -= 1
+                state["ok"] = state["ok"] and ok
+                if state["left"]:
+                    return
+            fut.fetched = fut.checking = time.monotonic()
+            if not state["ok"]:
+                self._start_here(lk, slot, tenant, fut)
+                return
+            for tier, rk, _ in reads:
+                tier.count_hit(rk, by_child=True)
+            self._verify_promotion(lk, slot, [], fut)
+
+        fut.began = time.monotonic()
+        for _, _, r in reads:
+            if not proc.read(r, done):
+                done(False)
+        return True
 
     def _promote(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
         """On an I/O thread: every rank's record of ``lk`` into its reserved ``slot``, then on to a

@@ -46,6 +46,7 @@ def install_collector() -> None:
                 "errors",
                 "promotions",
                 "page_cache_reads",
+                "io_process_reads",
             )
             gauges = ("used_bytes", "capacity_bytes", "chunks")
             fams: dict[str, Any] = {}

@@ -67,6 +67,7 @@ class StorageTier:
         self._reader = Reader(o_direct)
         self.direct_writes = direct_writes
         self._direct_writes = 0  # records whose whole pages went with O_DIRECT
+        self._child_reads = 0  # records the I/O process read and checked (HPKV_IO_PROCESS)
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._index = DiskIndex(capacity)
@@ -217,11 +218,16 @@ class StorageTier:
             )
             self._remove_bad(key, path, ino)
             return False
+        self.count_hit(key)
+        return True
+
+    def count_hit(self, key: bytes, *, by_child: bool = False) -> None:
+        """``key``'s record was read and checked whole, here or (``by_child``) by the I/O process."""
         with self._lock:
             self._index.touch(key)
+            self._child_reads += by_child
         self._stats.add("hits")
         self._stats.add("bytes_read", self.payload_bytes)
-        return True
 
     # -- writes -------------------------------------------------------------
 
@@ -305,6 +311,7 @@ class StorageTier:
             o_direct=int(self._reader.direct),
             page_cache_reads=self._reader.cached_reads,
             direct_writes=self._direct_writes,
+            io_process_reads=self._child_reads,
         )
 
     def count(self, name: str, n: int = 1) -> None:

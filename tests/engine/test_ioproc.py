@@ -1,0 +1,95 @@
+"""Promotions read in the I/O process (``HPKV_IO_PROCESS``): a real child process reads real storage
+files into the real shared-memory pool and checks them; the parent commits only what it says is whole
+and reads anything else again itself, so a corrupt or missing file is a miss exactly as without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import wait
+from typing import Any
+
+import pytest
+
+from hpkv import HpkvConfig
+from hpkv.core.keys import Namespace
+from hpkv.engine.catalog import MEMORY, Catalog
+from tests.conftest import CHUNK, SMALL
+from tests.engine.test_promotion import fill, flip_payload_byte, held_bytes
+
+
+def catalog(shm_dir: str, storage_dir: str, **extra: Any) -> Catalog:
+    cfg = HpkvConfig(
+        mem_pool_size="8M",
+        share_mem_file_path=shm_dir,
+        storage_path=storage_dir,
+        chunk_size=CHUNK,
+        io_process=True,
+        **extra,
+    )
+    return Catalog(cfg, Namespace("ioproc", SMALL, CHUNK), verify_threads=0)
+
+
+def promote(cat: Catalog, lks: list[bytes]) -> list[bool]:
+    cat.clear((MEMORY,))
+    futures = cat.stage(lks)
+    done, _ = wait(futures, timeout=20)
+    assert len(done) == len(futures), "a promotion never settled"
+    return [f.result() for f in futures]
+
+
+@pytest.mark.parametrize("auth", [None, "k" * 32], ids=["checksum", "mac"])
+def test_the_child_promotes_exact_bytes_and_a_corrupt_or_missing_file_is_a_miss(
+    shm_dir: str, storage_dir: str, auth: str | None
+) -> None:
+    cat = catalog(shm_dir, storage_dir, auth_key=auth)
+    try:
+        proc = cat._reads._proc
+        assert proc is not None and proc.alive
+        lks = cat.keys(list(range(5 * CHUNK)))
+        payloads = fill(cat, lks)
+        assert promote(cat, lks) == [True] * 5
+        assert proc.served == 5  # every record came through the child, none read here
+        assert [held_bytes(cat, lk) for lk in lks] == payloads
+        assert cat.storage[0].stats()["io_process_reads"] == 5
+
+        bad = cat.storage[0].path(cat.record_key(0, lks[1]))
+        flip_payload_byte(bad)
+        os.unlink(cat.storage[0].path(cat.record_key(0, lks[3])))
+        assert promote(cat, lks) == [True, False, True, False, True]
+        assert proc.served == 8  # the child refused the two; the parent's tier read them again
+        assert cat.storage[0].stats()["io_process_reads"] == 8
+        assert not os.path.exists(bad), "a corrupt file is removed, as without the I/O process"
+        assert cat.locate_local(lks) == [MEMORY, None, MEMORY, None, MEMORY]
+        assert [held_bytes(cat, lks[i]) for i in (0, 2, 4)] == [payloads[i] for i in (0, 2, 4)]
+    finally:
+        cat.close()
+
+
+def test_a_dead_child_means_promotions_read_here_not_a_hang(shm_dir: str, storage_dir: str) -> None:
+    cat = catalog(shm_dir, storage_dir)
+    try:
+        proc = cat._reads._proc
+        assert proc is not None
+        lks = cat.keys(list(range(3 * CHUNK)))
+        payloads = fill(cat, lks)
+        os.kill(proc._proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while proc.alive and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not proc.alive
+        assert promote(cat, lks) == [True] * 3
+        assert proc.served == 0
+        assert [held_bytes(cat, lk) for lk in lks] == payloads
+    finally:
+        cat.close()
+
+
+def test_without_storage_there_is_no_child(shm_dir: str) -> None:
+    cfg = HpkvConfig(mem_pool_size="8M", share_mem_file_path=shm_dir, chunk_size=CHUNK, io_process=True)
+    cat = Catalog(cfg, Namespace("ioproc", SMALL, CHUNK))
+    try:
+        assert cat._reads._proc is None
+    finally:
+        cat.close()
