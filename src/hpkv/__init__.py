@@ -1,12 +1,38 @@
 """hpkv: a hierarchical KV cache for LLM serving.
 
 >>> from hpkv import HpkvConfig, KVLayout, KVStore
+
+The names are imported when first used, so that a process needing only ``hpkv.core`` (the I/O
+process, :mod:`hpkv.engine.ioproc`) starts without torch.
 """
 
-from hpkv.core.config import HpkvConfig
-from hpkv.core.errors import HpkvConfigError, HpkvError, HpkvTierError
-from hpkv.core.layout import KVLayout
-from hpkv.engine.store import KVStore
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from hpkv.core.config import HpkvConfig
+    from hpkv.core.errors import HpkvConfigError, HpkvError, HpkvTierError
+    from hpkv.core.layout import KVLayout
+    from hpkv.engine.store import KVStore
 
 __all__ = ["HpkvConfig", "HpkvConfigError", "HpkvError", "HpkvTierError", "KVLayout", "KVStore"]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "HpkvConfig": "hpkv.core.config",
+    "HpkvConfigError": "hpkv.core.errors",
+    "HpkvError": "hpkv.core.errors",
+    "HpkvTierError": "hpkv.core.errors",
+    "KVLayout": "hpkv.core.layout",
+    "KVStore": "hpkv.engine.store",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hpkv' has no attribute {name!r}")

@@ -93,3 +93,14 @@ def test_without_storage_there_is_no_child(shm_dir: str) -> None:
         assert cat._reads._proc is None
     finally:
         cat.close()
+
+
+def test_the_child_starts_without_torch() -> None:
+    """What the child imports (hpkv.core and the storage tier's file reader) leaves torch out: it
+    starts in tens of milliseconds, not the second and ~200 MB that importing torch costs."""
+    import subprocess
+    import sys
+
+    code = "import sys, hpkv.engine.ioproc; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

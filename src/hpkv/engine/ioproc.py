@@ -25,6 +25,7 @@ import json
 import logging
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -180,6 +181,9 @@ class IoProcess:
 
 
 def _child() -> int:
+    # A Ctrl-C at the terminal reaches the whole process group: the engine stops this child by closing
+    # its pipe, after the reads it was asked for.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     hello = json.loads(sys.stdin.buffer.readline())
     if hello.get("auth"):
         record.set_auth_key(bytes.fromhex(hello["auth"]))
