@@ -41,6 +41,9 @@ def test_storage_rows() -> None:
     assert not ok and "8 read from the page cache" in proof  # the cold row must not hit the page cache
     assert verify_hpkv("storage-cold", hp(storage_hits=8, memory_promotions=8, memory_hits=8), E)[0]
     assert not verify_hpkv("storage", hp(storage_hits=7, memory_promotions=7, memory_hits=8), E)[0]
+    # hpkv-ioproc: the row says how many of its records the I/O process read
+    ok, proof = verify_hpkv("storage", hp(storage_hits=8, memory_promotions=8, io_process_reads=8), E)
+    assert ok and proof.endswith(", 8 read by the I/O process")
 
 
 def test_mixed_needs_both_tiers() -> None:
