@@ -74,13 +74,20 @@ def test_a_dead_child_means_promotions_read_here_not_a_hang(shm_dir: str, storag
         assert proc is not None
         lks = cat.keys(list(range(3 * CHUNK)))
         payloads = fill(cat, lks)
+        # The child counts its page-cache reads as the tier counts its own: the same reads, here
+        # (after the kill) and there, add the same to page_cache_reads.
+        cached = cat.storage[0].stats()["page_cache_reads"]
+        assert promote(cat, lks) == [True] * 3 and proc.served == 3
+        by_child = cat.storage[0].stats()["page_cache_reads"] - cached
         os.kill(proc._proc.pid, signal.SIGKILL)
         deadline = time.monotonic() + 10
         while proc.alive and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not proc.alive
+        cached = cat.storage[0].stats()["page_cache_reads"]
         assert promote(cat, lks) == [True] * 3
-        assert proc.served == 0
+        assert proc.served == 3  # none since the kill
+        assert cat.storage[0].stats()["page_cache_reads"] - cached == by_child
         assert [held_bytes(cat, lk) for lk in lks] == payloads
     finally:
         cat.close()

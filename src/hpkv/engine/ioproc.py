@@ -56,7 +56,9 @@ class Read:
     payload: int  # the payload's length the record must state
 
 
-Done = Callable[[bool], None]  # True: the record is in its slot, read and checked whole
+# (whole, cached): the record is in its slot, read and checked whole; it came whole from the page cache
+# (as the storage tier's ``page_cache_reads`` counts: with O_DIRECT on, a read that needed none).
+Done = Callable[[bool, bool], None]
 
 
 class IoProcess:
@@ -138,7 +140,7 @@ class IoProcess:
         for line in stream:
             try:
                 msg = json.loads(line)
-                n, ok = int(msg["id"]), msg["ok"] is True
+                n, ok, cached = int(msg["id"]), msg["ok"] is True, msg.get("cached") is True
             except (ValueError, KeyError, TypeError):
                 log.error("hpkv: the I/O process said something unreadable: %.80r", line)
                 continue
@@ -146,7 +148,7 @@ class IoProcess:
                 done = self._pending.pop(n, None)
                 self.served += ok
             if done is not None:
-                done(ok)
+                done(ok, cached)
         with self._lock:
             self._lost("it exited")
 
@@ -161,7 +163,7 @@ class IoProcess:
         self._alive = False
         pending, self._pending = self._pending, {}
         for done in pending.values():
-            done(False)
+            done(False, False)
 
     def close(self) -> None:
         """Let the child finish what it was asked, then stop it; every pending read is answered."""
@@ -194,23 +196,29 @@ def _child() -> int:
     for fd in hello["fds"]:
         os.close(int(fd))
     views = [memoryview(m) for m in maps]
-    reader = FileReader(bool(hello["o_direct"]))
+    o_direct = bool(hello["o_direct"])
+    readers = threading.local()  # one file reader per thread: its count of page-cache reads is this read's
     out = sys.stdout.buffer
     lock = threading.Lock()
 
     def one(msg: dict[str, object]) -> None:
-        ok = False
+        ok = cached = False
+        if not hasattr(readers, "r"):
+            readers.r = FileReader(o_direct)
+        reader = readers.r
         try:
             off, room = int(msg["offset"]), int(msg["room"])  # type: ignore[call-overload]
             payload = int(msg["payload"])  # type: ignore[call-overload]
             buf = views[int(msg["pool"])][off : off + room]  # type: ignore[call-overload]
             expected = record.record_bytes(payload)
+            before = reader.cached_reads
             n, _ = reader.read(str(msg["path"]), buf, expected)
+            cached = reader.cached_reads > before
             ns, key = bytes.fromhex(str(msg["ns"])), bytes.fromhex(str(msg["key"]))
             ok = record.verify(buf, n, ns, key, payload) is record.Verdict.OK
         except (OSError, NotARegularFile, ValueError, KeyError, IndexError):
             ok = False  # the parent reads it again, and its tier says why
-        line = json.dumps({"id": msg.get("id"), "ok": ok}).encode() + b"\n"
+        line = json.dumps({"id": msg.get("id"), "ok": ok, "cached": cached}).encode() + b"\n"
         with lock:
             out.write(line)
             out.flush()

@@ -204,26 +204,25 @@ class Reader:
                 )
             )
         lock = threading.Lock()
-        state = {"left": len(reads), "ok": True}
+        answers: list[tuple[bool, bool]] = []  # (whole, from the page cache) per rank, as they come
 
-        def done(ok: bool) -> None:
+        def done(ok: bool, cached: bool) -> None:
             with lock:
-                state["left"] -= 1
-                state["ok"] = state["ok"] and ok
-                if state["left"]:
+                answers.append((ok, cached))
+                if len(answers) < len(reads):
                     return
             fut.fetched = fut.checking = time.monotonic()
-            if not state["ok"]:
+            if not all(ok for ok, _ in answers):
                 self._start_here(lk, slot, tenant, fut)
                 return
-            for tier, rk, _ in reads:
-                tier.count_hit(rk, by_child=True)
+            for (tier, rk, _), (_, cached) in zip(reads, answers, strict=True):
+                tier.count_hit(rk, by_child=True, cached=cached)
             self._verify_promotion(lk, slot, [], fut)
 
         fut.began = time.monotonic()
         for _, _, r in reads:
             if not proc.read(r, done):
-                done(False)
+                done(False, False)
         return True
 
     def _promote(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:

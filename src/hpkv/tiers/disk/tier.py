@@ -68,6 +68,7 @@ class StorageTier:
         self.direct_writes = direct_writes
         self._direct_writes = 0  # records whose whole pages went with O_DIRECT
         self._child_reads = 0  # records the I/O process read and checked (HPKV_IO_PROCESS)
+        self._child_cached = 0  # of those, read whole from the page cache
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._index = DiskIndex(capacity)
@@ -221,11 +222,14 @@ class StorageTier:
         self.count_hit(key)
         return True
 
-    def count_hit(self, key: bytes, *, by_child: bool = False) -> None:
-        """``key``'s record was read and checked whole, here or (``by_child``) by the I/O process."""
+    def count_hit(self, key: bytes, *, by_child: bool = False, cached: bool = False) -> None:
+        """``key``'s record was read and checked whole, here or (``by_child``) by the I/O process,
+        which says whether it came whole from the page cache (``cached``: counted as this tier's own
+        reads are)."""
         with self._lock:
             self._index.touch(key)
             self._child_reads += by_child
+            self._child_cached += cached
         self._stats.add("hits")
         self._stats.add("bytes_read", self.payload_bytes)
 
@@ -309,7 +313,7 @@ class StorageTier:
             capacity_bytes=cap,
             chunks=count,
             o_direct=int(self._reader.direct),
-            page_cache_reads=self._reader.cached_reads,
+            page_cache_reads=self._reader.cached_reads + self._child_cached,
             direct_writes=self._direct_writes,
             io_process_reads=self._child_reads,
         )
