@@ -15,6 +15,7 @@ import pytest
 from hpkv import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, Catalog
+from hpkv.engine.reads import staged_line
 from tests.conftest import CHUNK, SMALL
 from tests.engine.test_promotion import fill, flip_payload_byte, held_bytes
 
@@ -49,8 +50,16 @@ def test_the_child_promotes_exact_bytes_and_a_corrupt_or_missing_file_is_a_miss(
         assert proc is not None and proc.alive
         lks = cat.keys(list(range(5 * CHUNK)))
         payloads = fill(cat, lks)
-        assert promote(cat, lks) == [True] * 5
+        cat.clear((MEMORY,))
+        since = time.monotonic()
+        futures = cat.stage(lks)
+        wait(futures, timeout=20)
+        assert [f.result() for f in futures] == [True] * 5
         assert proc.served == 5  # every record came through the child, none read here
+        # The log line says where the time went as it was: asked of the child, answered; no thread shares.
+        line = staged_line(futures, "r1", since)
+        assert "first asked of the I/O process at" in line and "from asking to its answer" in line, line
+        assert "I/O threads" not in line
         assert [held_bytes(cat, lk) for lk in lks] == payloads
         assert cat.storage[0].stats()["io_process_reads"] == 5
 

@@ -46,7 +46,10 @@ class Promotion(Future[bool]):
     then): what a slow hit's log line breaks its wait into (queued, read, handed over, checked)."""
 
     began = fetched = checking = settled = 0.0
-    io_thread = 0
+    io_thread = 0  # CHILD: the I/O process read and checked it
+
+
+CHILD = -1
 
 
 def staged_line(futures: list[Future[bool]], request_id: str, since: float) -> str:
@@ -55,14 +58,23 @@ def staged_line(futures: list[Future[bool]], request_id: str, since: float) -> s
     began and the last chunk was ready; per chunk (median) its read, the wait until a check took
     it up and its check and commit; and the share of the reads' span in which the I/O threads
     that took part were reading (below 100% they waited between reads: for the GIL, a lock, the
-    queue). From the futures that are :class:`Promotion` s and finished."""
+    queue). Chunks the I/O process read and checked are given as one span each, from asking it to
+    its answer (queueing there included). From the futures that are :class:`Promotion` s and finished."""
     took = (time.monotonic() - since) * 1e3
     line = f"staged {len(futures)} chunks into memory for request {request_id} in {took:.1f} ms"
-    done = [f for f in futures if isinstance(f, Promotion) and f.settled and f.checking]
-    if not done:
+    settled = [f for f in futures if isinstance(f, Promotion) and f.settled and f.checking]
+    if not settled:
         return line
-    first = min(f.began for f in done) - since
-    last = max(f.settled for f in done) - since
+    first = min(f.began for f in settled) - since
+    last = max(f.settled for f in settled) - since
+    done = [f for f in settled if f.io_thread != CHILD]
+    child = len(settled) - len(done)
+    if not done:
+        asked = statistics.median(f.fetched - f.began for f in settled)
+        return (
+            f"{line} (first asked of the I/O process at {first * 1e3:.1f} ms, last chunk ready at "
+            f"{last * 1e3:.1f} ms; per chunk, median: {asked * 1e3:.2f} ms from asking to its answer)"
+        )
     read = statistics.median(f.fetched - f.began for f in done)
     hand = statistics.median(f.checking - f.fetched for f in done)
     check = statistics.median(f.settled - f.checking for f in done)
@@ -72,7 +84,8 @@ def staged_line(futures: list[Future[bool]], request_id: str, since: float) -> s
     return (
         f"{line} (first read began at {first * 1e3:.1f} ms, last chunk ready at {last * 1e3:.1f} ms; "
         f"per chunk, median: read {read * 1e3:.2f} ms, to a check {hand * 1e3:.2f} ms, check and commit "
-        f"{check * 1e3:.2f} ms; {threads} I/O threads reading {busy:.0%} of the time)"
+        f"{check * 1e3:.2f} ms; {threads} I/O threads reading {busy:.0%} of the time"
+        + (f"; {child} read by the I/O process)" if child else ")")
     )
 
 
@@ -219,7 +232,7 @@ class Reader:
                 tier.count_hit(rk, by_child=True, cached=cached)
             self._verify_promotion(lk, slot, [], fut)
 
-        fut.began = time.monotonic()
+        fut.began, fut.io_thread = time.monotonic(), CHILD
         for _, _, r in reads:
             if not proc.read(r, done):
                 done(False, False)
