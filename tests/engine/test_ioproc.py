@@ -21,14 +21,8 @@ from tests.engine.test_promotion import fill, flip_payload_byte, held_bytes
 
 
 def catalog(shm_dir: str, storage_dir: str, **extra: Any) -> Catalog:
-    cfg = HpkvConfig(
-        mem_pool_size="8M",
-        share_mem_file_path=shm_dir,
-        storage_path=storage_dir,
-        chunk_size=CHUNK,
-        io_process=True,
-        **extra,
-    )
+    settings: dict[str, Any] = {"mem_pool_size": "8M", "share_mem_file_path": shm_dir, "chunk_size": CHUNK}
+    cfg = HpkvConfig(**settings | {"storage_path": storage_dir, "io_process": True} | extra)
     return Catalog(cfg, Namespace("ioproc", SMALL, CHUNK), verify_threads=0)
 
 
@@ -120,3 +114,57 @@ def test_the_child_starts_without_torch() -> None:
     code = "import sys, hpkv.engine.ioproc; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_exact_bytes_while_stores_evict_and_the_pool_is_cleared(shm_dir: str, storage_dir: str) -> None:
+    """Promotions through the child into a pool that holds the stored chunks and little more, while a
+    writer stores new chunks (evicting) and the memory tier is cleared now and then: every slot read
+    back after its promotion holds exactly the bytes stored under its key."""
+    import random
+    import threading
+
+    import torch
+
+    cat = catalog(shm_dir, storage_dir)
+    cat.close()
+    pool = cat.slot_bytes * 24  # 24 slots: 16 stored chunks and room for the writer's
+    cat = catalog(shm_dir, storage_dir, mem_pool_size=pool)
+    stop = threading.Event()
+    try:
+        proc = cat._reads._proc
+        assert proc is not None
+        lks = cat.keys(list(range(16 * CHUNK)))
+        expected = dict(zip(lks, fill(cat, lks), strict=True))
+        extra = cat.keys(list(range(10**6, 10**6 + 16 * CHUNK)))
+
+        def writer() -> None:
+            j = 0
+            while not stop.is_set():
+                some = extra[j % 16 : j % 16 + 4]
+                j += 4
+                cat.store(some, lambda _i, p: p.copy_(torch.randint(0, 256, p.shape, dtype=torch.uint8)))
+
+        th = threading.Thread(target=writer)
+        th.start()
+        rnd = random.Random(7)
+        checked = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            if rnd.random() < 0.3:
+                cat.clear((MEMORY,))
+            some = rnd.sample(lks, 6)
+            wait(cat.stage(some), timeout=20)
+            for lk in some:
+                if cat.locate_local([lk]) == [MEMORY]:
+                    try:
+                        got = held_bytes(cat, lk)
+                    except ValueError:  # evicted between the two calls
+                        continue
+                    assert got == expected[lk]
+                    checked += 1
+        stop.set()
+        th.join()
+        assert checked > 50 and proc.served > 50, (checked, proc.served)
+    finally:
+        stop.set()
+        cat.close()
