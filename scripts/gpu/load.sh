@@ -14,4 +14,4 @@ timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model /root/
   --out $OUT/${LOAD_NAME:-serve} > $OUT/${LOAD_NAME:-serve}.log 2>&1
 echo "rc=$?"; tail -${LOAD_TAIL:-16} $OUT/${LOAD_NAME:-serve}.log
 grep -c "Retrieved.*async" $OUT/${LOAD_NAME:-serve}/vllm-*.log  # hits loaded asynchronously, per system
-grep -c "asked of the I/O process" $OUT/${LOAD_NAME:-serve}/vllm-*.log  # hits staged by the helper process, per system
+grep -c "staged .*I/O process" $OUT/${LOAD_NAME:-serve}/vllm-*.log  # hits staged by the helper process, per system
