@@ -173,17 +173,8 @@ NEEDS_LOCAL = {
     "storage-cold": "needs the storage files on this machine",
     "valkey": "needs an engine restart",
 }
-SYSTEMS = (
-    "hpkv",
-    "hpkv-layerwise",
-    "hpkv-async",
-    "hpkv-sync",
-    "hpkv-busy1",
-    "hpkv-ioproc",
-    "none",
-    "native",
-    "lmcache",
-)
+VARIANTS = ("hpkv-layerwise", "hpkv-async", "hpkv-sync", "hpkv-busy1", "hpkv-ioproc")
+SYSTEMS = ("hpkv", *VARIANTS, "none", "native", "lmcache")
 # hpkv-layerwise: hpkv with HPKV_LAYERWISE_LOAD=true (on CUDA each layer is loaded, then attended to);
 # hpkv-async: HPKV_ASYNC_LOAD=true (vLLM's async load: each chunk sent to the engine as it reaches memory);
 # hpkv-sync: HPKV_ASYNC_LOAD=false (every hit loaded inside the step that admits it, as before "auto");

@@ -139,12 +139,10 @@ class HpkvConfig:
     salt: str = ""
     # Threads reading and writing storage chunk files in parallel.
     storage_io_threads: int = 4
-    # vLLM: while the engine computes a step, at most this many chunks are read from storage or
-    # Valkey at once (each checked on its reading thread); 0: no limit. Each reading thread needs
-    # the GIL back after every read, and several take it from the engine's own thread in turn.
+    # vLLM: while a step computes, at most this many chunks are read from storage or Valkey at once
+    # (0: no limit). At 1 the H200's p99 TTFT at concurrency 16 nearly doubled (BENCHMARKS).
     busy_io_threads: int = 0
-    # Storage hits are read into the memory pool and checked in a helper process (its own GIL), not on
-    # threads of the engine's process (engine/ioproc.py). Off until measured inside vLLM on a GPU.
+    # vLLM: storage hits are read and checked in a helper process with its own GIL (engine/ioproc.py).
     io_process: bool = False
     # Read chunk files with O_DIRECT where the filesystem allows (falls back to buffered reads).
     storage_o_direct: bool = True
