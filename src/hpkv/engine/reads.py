@@ -14,6 +14,7 @@ check on one tier is read from the next; a chunk that fails on every tier is a m
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import statistics
@@ -217,25 +218,27 @@ class Reader:
                 )
             )
         lock = threading.Lock()
-        answers: list[tuple[bool, bool]] = []  # (whole, from the page cache) per rank, as they come
+        answers: list[tuple[bool, bool] | None] = [None] * len(reads)  # per rank: (whole, page cache)
+        left = [len(reads)]
 
-        def done(ok: bool, cached: bool) -> None:
+        def done(i: int, ok: bool, cached: bool) -> None:
             with lock:
-                answers.append((ok, cached))
-                if len(answers) < len(reads):
+                answers[i] = (ok, cached)
+                left[0] -= 1
+                if left[0]:
                     return
             fut.fetched = fut.checking = time.monotonic()
-            if not all(ok for ok, _ in answers):
+            if not all(a is not None and a[0] for a in answers):
                 self._start_here(lk, slot, tenant, fut)
                 return
-            for (tier, rk, _), (_, cached) in zip(reads, answers, strict=True):
-                tier.count_hit(rk, by_child=True, cached=cached)
+            for (tier, rk, _), a in zip(reads, answers, strict=True):
+                tier.count_hit(rk, by_child=True, cached=a is not None and a[1])
             self._verify_promotion(lk, slot, [], fut)
 
         fut.began, fut.io_thread = time.monotonic(), CHILD
-        for _, _, r in reads:
-            if not proc.read(r, done):
-                done(False, False)
+        for i, (_, _, r) in enumerate(reads):
+            if not proc.read(r, functools.partial(done, i)):
+                done(i, False, False)
         return True
 
     def _promote(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
