@@ -35,13 +35,12 @@ from dataclasses import dataclass
 from typing import IO
 
 from hpkv.core import record
+from hpkv.core.pages import read_ahead
 from hpkv.core.paths import NotARegularFile
-from hpkv.core.procs import background_priority, name_os_thread
 from hpkv.tiers.disk.io import Reader as FileReader
 
 log = logging.getLogger("hpkv")
 
-PREFAULT_NICE = 19  # as the engine's own prefault of the pool (tiers/memory/pool.py)
 PIPE_BYTES = 1 << 20  # room for ~3000 requests in the pipe, so a burst of them never blocks the sender
 
 
@@ -198,7 +197,8 @@ def _child() -> int:
     for fd in hello["fds"]:
         os.close(int(fd))
     views = [memoryview(m) for m in maps]
-    threading.Thread(target=_prefault, args=(maps,), name="hpkv-prefault", daemon=True).start()
+    # Without it the first write into each slot faults its pages in here again (core/pages.py).
+    threading.Thread(target=_read_ahead, args=(maps, size), name="hpkv-prefault", daemon=True).start()
     o_direct = bool(hello["o_direct"])
     readers = threading.local()  # one file reader per thread: its count of page-cache reads is this read's
     out = sys.stdout.buffer
@@ -237,21 +237,9 @@ def _child() -> int:
     return 0
 
 
-def _prefault(maps: list[mmap.mmap]) -> None:
-    """Read one byte of every page of this process's mappings, once, at the lowest priority: each
-    process faults a shared file's pages into its own tables again, ~2 us a page on these VMs, and
-    without this the child's first write into each slot paid it (32 chunks of 1.5 MiB staged in 22.5 ms
-    against 14 ms in the engine, whose mapping is prefaulted the same way: tiers/memory/pool.py)."""
-    import numpy as np
-
-    name_os_thread()
-    background_priority(PREFAULT_NICE)
-    step = 64 << 20
+def _read_ahead(maps: list[mmap.mmap], size: int) -> None:
     for m in maps:
-        pages = np.frombuffer(m, dtype=np.uint8)[:: mmap.PAGESIZE]
-        per_step = step // mmap.PAGESIZE
-        for i in range(0, len(pages), per_step):
-            int(pages[i : i + per_step].sum())
+        read_ahead(m, size)
 
 
 if __name__ == "__main__":

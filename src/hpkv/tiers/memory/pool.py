@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from hpkv.core.errors import HpkvConfigError
+from hpkv.core.pages import PAGE as PAGE  # re-exported: the slots are page-aligned
+from hpkv.core.pages import read_ahead
 from hpkv.core.paths import check_private_dir
-from hpkv.core.procs import background_priority, name_os_thread, pid_alive
+from hpkv.core.procs import pid_alive
 
 log = logging.getLogger(__name__)
 
-PAGE = mmap.PAGESIZE
-PREFAULT_NICE = 19  # the prefault yields the CPU to everything else (the model's threads on a CPU build)
 _POOL_RE = re.compile(r"^hpkv-(\d+)-[0-9A-Za-z]+\.shm$")
 _counter = 0
 _counter_lock = threading.Lock()
@@ -226,28 +226,9 @@ class ShmPool:
         _PREFAULTING.add(self)
 
     def _touch_all(self) -> None:
-        """Read one byte of every page of this process's mapping, in the background, once.
-
-        tmpfs hands out fallocated pages zeroed on their first fault, and every
-        other process that maps the file faults each page into its own tables
-        again; in a VM with nested paging that costs up to ~10-17 µs per 4 KiB
-        page the first time the VM uses it and ~2 µs in a second process
-        (measured here), so the first store into each slot would pay it on the
-        engine's step. Reading ahead of use moves that cost off the hot path
-        (the GIL is released). The thread runs at the lowest priority: a 2 GiB
-        pool is 0.5 million faults, seconds of one core on a fresh VM, and at
-        the default priority it took them from the model right after a start
-        (vLLM's CPU build). Stops early if the pool is closed.
-        """
-        name_os_thread()
-        background_priority(PREFAULT_NICE)
-        step = 64 << 20
-        pages = self.tensor[: self.size - self.size % PAGE].view(-1, PAGE)
-        per_step = step // PAGE
-        for i in range(0, pages.shape[0], per_step):
-            if self._stop_prefault.is_set():
-                return
-            pages[i : i + per_step, 0].sum()
+        """Read this process's mapping ahead of use, in the background, once (see
+        :func:`hpkv.core.pages.read_ahead`); stops early if the pool is closed."""
+        read_ahead(self._mm, self.size, self._stop_prefault)
 
     def _halt_prefault(self) -> None:
         if self._prefault is not None:
