@@ -83,7 +83,7 @@ def test_lmcache_names(tmp_path: Path) -> None:
         ("HPKV_STORAGE_IO_THREADS", "-3", "4"),
         ("HPKV_STORAGE_O_DIRECT", "maybe", "true"),
         ("HPKV_STORAGE_DIRECT_WRITES", "sometimes", "true"),
-        ("HPKV_WRITE_BEHIND", "later", "idle"),
+        ("HPKV_WRITE_BEHIND", "later", "paced"),
         ("HPKV_SHARE_MEM_FILE_PATH", "", "/dev/shm/hpkv"),
         ("HPKV_REMOTE_URL", "http://cache:6379", "valkey://127.0.0.1:6379"),
         ("HPKV_REMOTE_URL", "valkey://cache:0", "valkey://127.0.0.1:6379"),

@@ -1,4 +1,4 @@
-"""Write-behind that waits for idle time (vLLM's CPU build: the model and hpkv share the cores).
+"""Paced write-behind: it prefers the engine's idle time, for at most CASCADE_PACE_S per chunk.
 
 A real catalog (pool file, storage directory); the engine's steps are announced as the vLLM
 scheduler announces them (``step_scheduled`` and ``step_done``)."""
@@ -9,6 +9,7 @@ import time
 
 from hpkv import HpkvConfig
 from hpkv.core.keys import Namespace
+from hpkv.engine.cascade import CASCADE_PACE_S
 from hpkv.engine.catalog import Catalog
 from tests.conftest import CHUNK, SMALL
 from tests.engine.test_catalog_reset import store
@@ -44,6 +45,47 @@ def test_writes_wait_while_the_engine_computes(shm_dir: str, storage_dir: str) -
         cat.close()
 
 
+def test_a_busy_engine_still_gets_each_chunk_written_within_the_pace_bound(
+    shm_dir: str, storage_dir: str
+) -> None:
+    """An engine that never idles (prompts back to back): no chunk waits for idle time that never
+    comes; each is written about CASCADE_PACE_S after it was queued, by the cascade's own clock."""
+    cat = make(shm_dir, storage_dir, queue=64)
+    try:
+        cat.step_scheduled(True)  # and never done
+        lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(4)]
+        for lk in lks:
+            assert cat.commit(lk, store(cat, lk))
+            time.sleep(0.2)
+        deadline = time.monotonic() + 5
+        while cat.write_behind()["written"] < len(lks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        wb = cat.write_behind()
+        assert wb["written"] == len(lks) and all(cat.in_storage(lk) for lk in lks)
+        assert CASCADE_PACE_S * 1e3 <= wb["delay_max_ms"] <= CASCADE_PACE_S * 1e3 + 500, wb
+        assert cat.stats()["storage"]["writes"] == len(lks)
+        assert cat.costs.read_rate("storage") is None  # writes time the tier, reads are what count
+    finally:
+        cat.close()
+
+
+def test_close_writes_what_is_queued_within_its_limit(shm_dir: str, storage_dir: str) -> None:
+    """vLLM's SIGTERM: the engine stops; what the write-behind holds is written at once."""
+    cat = make(shm_dir, storage_dir, queue=64)
+    cat.step_scheduled(True)
+    lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(6)]
+    for lk in lks:
+        assert cat.commit(lk, store(cat, lk))
+    t0 = time.monotonic()
+    cat.close(limit=4.0)
+    assert time.monotonic() - t0 < CASCADE_PACE_S  # no pacing once stopping
+    reopened = make(shm_dir, storage_dir)
+    try:
+        assert all(reopened.in_storage(lk) for lk in lks)
+    finally:
+        reopened.close()
+
+
 def test_a_half_full_queue_or_a_flush_writes_anyway(shm_dir: str, storage_dir: str) -> None:
     cat = make(shm_dir, storage_dir, queue=4)
     try:
@@ -70,7 +112,7 @@ def test_writes_that_pin_half_the_pool_go_out_under_sustained_load(shm_dir: str,
         stored = 0
         for lk in lks:
             slot = cat.reserve()
-            deadline = time.monotonic() + 1  # well below CASCADE_DEFER_MAX_S
+            deadline = time.monotonic() + 0.5  # well below CASCADE_PACE_S
             while slot is None and time.monotonic() < deadline:  # the cascade frees slots meanwhile
                 time.sleep(0.01)
                 slot = cat.reserve()

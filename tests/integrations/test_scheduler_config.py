@@ -20,12 +20,19 @@ def test_chunk_size_must_be_a_multiple_of_the_engine_block_size(tmp_path: object
         HpkvScheduler(cfg, ns, 64, load=True, store=True)
 
 
-def test_write_behind_waits_for_idle_time_unless_told() -> None:
-    """HPKV_WRITE_BEHIND: "auto" (the default) and "idle" hold the write-behind while the engine
-    computes, on the CPU build and on a GPU; "immediate" writes at once."""
+def test_write_behind_is_paced_unless_told() -> None:
+    """HPKV_WRITE_BEHIND: "auto" (the default) and "paced" prefer the engine's idle time (bounded);
+    "immediate" writes at once; the old "idle" is refused with the values that work."""
     from hpkv.integrations.vllm.connector import defer_writes
 
-    for setting, want in [("auto", True), ("idle", True), ("immediate", False)]:
+    for setting, want in [("auto", True), ("paced", True), ("immediate", False)]:
         assert defer_writes(setting) is want, setting
-    assert HpkvConfig.load({}, env={"HPKV_WRITE_BEHIND": "Idle"}).write_behind == "idle"
+    assert HpkvConfig.load({}, env={"HPKV_WRITE_BEHIND": "Paced"}).write_behind == "paced"
     assert HpkvConfig.load({}, env={}).write_behind == "auto"
+    with pytest.raises(HpkvConfigError, match="HPKV_WRITE_BEHIND='idle'"):
+        HpkvConfig.load({}, env={"HPKV_WRITE_BEHIND": "idle"})
+
+
+def test_cost_aware_loads_are_on_by_default_and_can_be_turned_off() -> None:
+    assert HpkvConfig.load({}, env={}).cost_aware_loads is True
+    assert HpkvConfig.load({}, env={"HPKV_COST_AWARE_LOADS": "false"}).cost_aware_loads is False

@@ -65,7 +65,8 @@ _SPECS: dict[str, _Spec] = {
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
-    "write_behind": _Spec("HPKV_WRITE_BEHIND", "idle", "choice"),
+    "write_behind": _Spec("HPKV_WRITE_BEHIND", "paced", "choice"),
+    "cost_aware_loads": _Spec("HPKV_COST_AWARE_LOADS", "false", "bool"),
     "layerwise_load": _Spec("HPKV_LAYERWISE_LOAD", "true", "bool"),
     "async_load": _Spec("HPKV_ASYNC_LOAD", "auto", "choice"),
     "step_trace": _Spec("HPKV_STEP_TRACE", "/tmp/hpkv-steps", "optpath"),
@@ -87,7 +88,7 @@ _SPECS: dict[str, _Spec] = {
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "valkey_mode": ("standalone", "cluster"),
-    "write_behind": ("auto", "idle", "immediate"),
+    "write_behind": ("auto", "paced", "immediate"),
     "async_load": ("auto", "true", "false"),
 }
 REMOTE_SCHEMES = ("valkey", "redis", "valkeys", "rediss")
@@ -153,10 +154,13 @@ class HpkvConfig:
     storage_direct_writes: bool = False
     # Chunks that may wait to be written to storage; beyond it a cascade write is dropped and counted.
     cascade_queue_chunks: int = 256
-    # vLLM: when the write-behind sends new chunks to storage and Valkey. "idle": while no computing
-    # step is in flight (or at once when the queued writes hold half the pool's slots); "immediate": as
-    # soon as they are in memory; "auto": idle, on the CPU build and on a GPU (connector.defer_writes).
+    # vLLM: when the write-behind sends new chunks to storage and Valkey. "paced": in the engine's
+    # idle time, but no chunk waits longer than about a second (engine/cascade.py); "immediate": as
+    # soon as they are in memory; "auto": paced.
     write_behind: str = "auto"
+    # vLLM: load only as much of a hit as is faster than recomputing it, by the tiers' measured read
+    # rates and the engine's measured prefill rate (engine/costs.py); false: load every hit whole.
+    cost_aware_loads: bool = True
     # CUDA: load layer by layer, so the first layers' attention starts before the last layers arrive.
     layerwise_load: bool = False
     # vLLM: when a hit is loaded asynchronously (vLLM's async KV load: the request waits for its KV
