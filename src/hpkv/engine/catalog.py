@@ -40,6 +40,7 @@ from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.core.stats import TierStats
 from hpkv.engine.cascade import Cascade
+from hpkv.engine.costs import LoadCosts
 from hpkv.engine.reads import Reader
 from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
@@ -153,6 +154,11 @@ class Catalog:
             verify_threads = config.storage_io_threads if cores >= 2 * config.storage_io_threads else 0
         self._reads = Reader(self, threads, verify_threads, config)
         self._closed = False
+        # What loads cost against recomputing: the write-behind times its writes here, the engine's
+        # scheduler its reads and steps (see hpkv.engine.costs).
+        self.costs = LoadCosts(
+            self.chunk_size, self.payload_bytes * len(self.ranks), enabled=config.cost_aware_loads
+        )
         self._cascade = Cascade(
             config.cascade_queue_chunks,
             len(self.ranks),
@@ -162,7 +168,15 @@ class Catalog:
             lambda slot: self.unpin([slot]),
             defer=defer_cascade,
             pressure=self._slots_scarce,
+            timed=self._timed_write,
         )
+
+    def _timed_write(self, tier: str, nbytes: int, seconds: float) -> None:
+        """A write to a remote tier bounds its reads (a slow link is slow both ways); a local tier's
+        writes (a new file, a rename) say nothing of how fast its reads are."""
+        ts = self.tiers.get(tier)
+        if ts and ts[0].remote:
+            self.costs.wrote(tier, nbytes, seconds)
 
     def _slots_scarce(self) -> bool:
         """Half the pool's slots or more are pinned (queued writes, loads in flight): deferred
@@ -242,6 +256,13 @@ class Catalog:
         """Per key memory or a local tier or None, without asking a remote tier and without
         cutting at a gap."""
         return [MEMORY if self.in_memory(lk) else self.held_locally(lk, tenant) for lk in lks]
+
+    def read_source(self, lk: bytes, tier: str, tenant: str = SHARED) -> str:
+        """Where a read of ``lk`` from ``tier`` would come from (see ``Tier.source``; asked of the
+        first served rank, whose files the others' follow), ``memory`` for the memory tier."""
+        if tier == MEMORY or tier not in self.tiers:
+            return tier
+        return self.tiers[tier][0].source(self.record_key(0, lk), tenant)
 
     def in_remote_many(self, lks: list[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key the first remote tier that holds every rank's shard, else None: one pipelined
@@ -570,6 +591,21 @@ class Catalog:
                     out[f"{name}.rank{self.ranks[i]}"] = t.stats()
         return out
 
+    def write_behind(self) -> dict[str, int]:
+        """The write-behind's progress: chunks written to the slower tiers, the longest and the last
+        wait from queued to written (ms), and how many are queued now."""
+        written, worst, last = self._cascade.delays()
+        return {
+            "written": written,
+            "delay_max_ms": round(worst * 1e3),
+            "delay_last_ms": round(last * 1e3),
+            "pending": self._cascade.pending(),
+        }
+
+    def stopping(self) -> None:
+        """The engine is stopping: write-behind from now on writes at once (see :meth:`close`)."""
+        self._cascade.hurry()
+
     def check(self) -> None:
         """Assert internal consistency (tests call this after fault injection)."""
         with self._lock:
@@ -578,12 +614,14 @@ class Catalog:
             for t in ts:
                 t.check()
 
-    def close(self) -> None:
-        """Flush the cascade, stop the threads, close the tiers, then unmap the pools. Idempotent."""
+    def close(self, limit: float | None = None) -> None:
+        """Flush the cascade (``limit``: for at most that many seconds, see :meth:`Cascade.close`),
+        stop the threads, close the tiers, then unmap the pools. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._cascade.close()
+        if not self._cascade.close(limit):
+            return  # writes still run on the pools: the process exits with them mapped
         self.flush()
         self._reads.close()
         # Remote workers first: a worker's last job may still reference its buffer (a slice of a

@@ -48,6 +48,7 @@ class Promotion(Future[bool]):
 
     began = fetched = checking = settled = 0.0
     io_thread = 0  # CHILD: the I/O process read and checked it
+    lk = b""  # the chunk it promotes
 
 
 CHILD = -1
@@ -160,6 +161,7 @@ class Reader:
                 new = fut is None
                 if fut is None:
                     fut = Promotion()
+                    fut.lk = lk
                     self._staging[lk] = fut
             if new:
                 # The slot is taken here, on the caller's thread: room the caller found for these

@@ -34,6 +34,12 @@ class Tier(Protocol):
         """Whether the tier is known to hold ``key``, without waiting on anything (may say False)."""
         ...
 
+    def source(self, key: bytes, tenant: str = SHARED_TENANT) -> str:
+        """Where a read of ``key`` would come from, for the cost of loading it: the tier's name, or
+        a finer name where the tier has parts of different speeds (storage: the page cache or the
+        device). Answered without waiting on the network."""
+        ...
+
     def read_into(self, key: bytes, buf: memoryview, tenant: str = SHARED_TENANT) -> bool:
         """The verified record of ``key`` into ``buf`` (at least one record long); False: a miss."""
         ...

@@ -20,6 +20,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,9 +65,9 @@ def _setup_logging() -> None:
 
 
 def defer_writes(write_behind: str) -> bool:
-    """Whether the write-behind waits for the engine's idle time (``HPKV_WRITE_BEHIND``): "auto" does,
-    on the CPU build and on a GPU alike. On the H200 the writes to valkey during a computing step cost
-    a cold prefill about 1% more than held ones (BENCHMARKS, thirteenth session)."""
+    """Whether the write-behind is paced (``HPKV_WRITE_BEHIND``): it prefers the engine's idle time,
+    for at most CASCADE_PACE_S per chunk. "auto" paces, on the CPU build and on a GPU alike: writes
+    to valkey during a computing step made an H200's cold prefill about 1% slower."""
     return write_behind != "immediate"
 
 
@@ -104,7 +107,9 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                     for r in range(self.namespace.world_size)
                 ],
                 gpu=not current_platform.is_cpu(),
+                device=_device_name(current_platform),
             )
+            _on_stop_signals(self._scheduler.stopping)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -276,6 +281,35 @@ def _start_pool_path(
     launch = hashlib.sha256(str(engine_id).encode()).hexdigest()[:8]
     tag = f"{namespace.logical_digest.hex()[:6]}e{launch}r{rank}"
     return agreed_pool_path(config.share_mem_file_path, pid, tag)
+
+
+def _device_name(platform: Any) -> str:
+    """The engine's device ("NVIDIA H200", "cpu"), asked without starting a CUDA context here."""
+    try:
+        return str(platform.get_device_name())
+    except Exception:
+        return ""
+
+
+def _on_stop_signals(callback: Callable[[], None]) -> None:
+    """Call ``callback`` when the engine process is told to stop (SIGTERM, SIGINT), before the
+    handler vLLM installed: the write-behind can start writing at once rather than when vLLM's
+    shutdown reaches the connector, a few seconds before the process is killed. Only from the
+    process's main thread (where vLLM builds the scheduler); elsewhere nothing is installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        before = signal.getsignal(sig)
+
+        def handler(signum: int, frame: Any, before: Any = before) -> None:
+            callback()
+            if callable(before):
+                before(signum, frame)
+            elif before == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        signal.signal(sig, handler)
 
 
 def _backend_name(vllm_config: VllmConfig, layer_names: list[str]) -> str:

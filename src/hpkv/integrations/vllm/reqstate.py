@@ -37,6 +37,10 @@ class ReqState:
     staged: bool = False
     tiers: dict[str, int] = field(default_factory=dict)
     protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
+    # Where each chunk of the hit below memory is read from (engine/costs.py's sources), and the
+    # promotions of the load, whose timings measure those sources once they are all in.
+    sources: dict[bytes, str] = field(default_factory=dict)
+    promotions: list[Future[bool]] = field(default_factory=list)
     # vLLM's async load (config.async_load: see HpkvScheduler._load_async): the hit's end in
     # tokens once answered; the chunks not yet sent to the workers (index, their promotion or None
     # for a chunk in memory); the load op from allocation until every rank reported it.

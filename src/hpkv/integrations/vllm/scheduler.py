@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, Catalog
-from hpkv.engine.reads import staged_line
+from hpkv.engine.costs import PrefillMemo
+from hpkv.engine.reads import Promotion, staged_line
 from hpkv.integrations.vllm.arrival import ArrivalCheck
 from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
@@ -53,6 +55,9 @@ IDLE_WAIT_S = 0.02
 ASYNC_GATHER_S = 0.005
 PENDING_OPS_MAX_S = 60.0
 POOL_FULL_LOG_S = 30.0  # at most one "pool full, chunks not stored" warning per this many seconds
+# At shutdown (SIGTERM), how long the write-behind may take to write what is queued: vLLM's process
+# manager kills the engine 5 s after its SIGTERM, and the workers stop first.
+SHUTDOWN_WRITE_S = 4.0
 
 
 class HpkvScheduler:
@@ -67,11 +72,13 @@ class HpkvScheduler:
         defer_cascade: bool = False,
         adopt_pools: list[str | None] | None = None,
         gpu: bool = False,
+        device: str = "",
     ) -> None:
         """``defer_cascade`` (``HPKV_WRITE_BEHIND``, see connector.defer_writes): the
         write-behind waits for idle time (see :meth:`Catalog.step_scheduled`). ``adopt_pools``: per
         rank, the pool file its worker made at start, if it did (see connector.py). ``gpu``: the
-        engine's KV is on a GPU, where a load's copies can run beside a step (``HPKV_ASYNC_LOAD=auto``)."""
+        engine's KV is on a GPU, where a load's copies can run beside a step (``HPKV_ASYNC_LOAD=auto``).
+        ``device``: the engine's device name, under which its prefill rate is kept (engine/costs.py)."""
         if config.chunk_size % block_size:
             why = f"is not a multiple of the engine's --block-size {block_size}"
             raise config.refuse("chunk_size", why, f"{block_size * max(1, config.chunk_size // block_size)}")
@@ -103,7 +110,20 @@ class HpkvScheduler:
             "remote_checks_at_arrival": 0,  # lookups that used the existence check made at arrival
             "lookups_waited_alone": 0,  # waits of a lookup for its tier I/O with nothing else to run
             "async_loads": 0,  # hits answered as vLLM's async load (HPKV_ASYNC_LOAD)
+            "lookups_cut_by_cost": 0,  # hits loaded only in part: the rest was faster to recompute
+            "chunks_left_to_recompute": 0,  # the chunks those hits left out
         }
+        self.costs = self.catalog.costs
+        self._memo = PrefillMemo(
+            [config.resolved_storage_path, config.share_mem_file_path if self.catalog.pools else None],
+            f"{namespace.logical_digest.hex()}|{device or ('gpu' if gpu else 'cpu')}",
+        )
+        kept = self._memo.load()
+        if kept is not None:
+            self.costs.seed_prefill(kept)
+        # Steps scheduled and not yet reported: (when, tokens, computes), oldest first.
+        self._steps_out: deque[tuple[float, int, bool]] = deque(maxlen=8)
+        self._last_report = 0.0
         self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
         self.trace = StepTrace(config.step_trace)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
@@ -217,6 +237,7 @@ class HpkvScheduler:
                 first_ask = st.cut < 0
                 if first_ask:  # the hit ends at the first gap; its chunks are kept from eviction
                     st.cut = st.where.index(None) if None in st.where else len(st.where)
+                    st.cut = self._cost_cut(request.request_id, st)
                 where = st.where[: st.cut]
                 if first_ask:
                     st.tiers = {t: where.count(t) for t in [MEMORY, *self.catalog.tiers] if t in where}
@@ -242,6 +263,7 @@ class HpkvScheduler:
             st.staged = True
             if st.staging:
                 log.info("hpkv: %s", staged_line(st.staging, request.request_id, st.staging_since))
+                self._measure_reads(st, st.staging)
                 for name in self.catalog.tiers:  # what arrived (a failed promotion shortens the hit)
                     if name in st.tiers:
                         st.tiers[name] = sum(
@@ -286,12 +308,57 @@ class HpkvScheduler:
             wait_on.append((i, futs[0] if futs else None))
         st.async_wait = wait_on
         st.staging = [f for _, f in wait_on if f is not None]
+        st.promotions = list(st.staging)
         st.async_hit, st.staged = hit, True
         st.load_start, st.load_tokens = num_computed, hit - num_computed
         self._counters["lookups"] += 1
         self._counters["async_loads"] += 1
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, True
+
+    def _cost_cut(self, req_id: str, st: ReqState) -> int:
+        """How many chunks of the hit just cut at its first gap to load: the prefix whose loading
+        beats recomputing it by the measured rates (engine/costs.py); the rest is left to the
+        engine, counted and logged."""
+        found = st.cut
+        where = (st.where or [])[:found]
+        if not found or all(w == MEMORY for w in where):
+            return found
+        lks = st.lks[st.looked_from : st.looked_from + found]
+        sources = [
+            MEMORY if w == MEMORY else self.catalog.read_source(lk, w or "", st.tenant)
+            for lk, w in zip(lks, where, strict=True)
+        ]
+        st.sources = {lk: src for lk, src in zip(lks, sources, strict=True) if src != MEMORY}
+        plan = self.costs.plan(sources)
+        if plan.left:
+            self._counters["lookups_cut_by_cost"] += 1
+            self._counters["chunks_left_to_recompute"] += plan.left
+            log.info(
+                "hpkv: request %s: loading %d of %d chunks found, %d left to recompute (%s)",
+                req_id,
+                plan.load,
+                found,
+                plan.left,
+                plan.why,
+            )
+        return plan.load
+
+    def _measure_reads(self, st: ReqState, futures: list[Future[bool]]) -> None:
+        """The read rate each source of this load showed: its chunks' bytes (every rank's) over the
+        span from its first read's start to its last chunk's check."""
+        spans: dict[str, list[float]] = {}  # source -> [chunks, first began, last settled]
+        for f in futures:
+            if not isinstance(f, Promotion) or not f.done() or not f.settled or not f.result():
+                continue
+            src = st.sources.get(f.lk)
+            if src is None:
+                continue
+            got = spans.setdefault(src, [0, f.began, f.settled])
+            got[0] += 1
+            got[1], got[2] = min(got[1], f.began), max(got[2], f.settled)
+        for src, (n, began, settled) in spans.items():
+            self.costs.read(src, int(n) * self.catalog.payload_bytes * self.world_size, settled - began)
 
     def _end_async(self, st: ReqState) -> None:
         st.async_hit, st.async_wait, st.staging = 0, [], []
@@ -328,6 +395,7 @@ class HpkvScheduler:
         computes = so.total_num_scheduled_tokens > 0
         meta = HpkvMeta(self.catalog.pool_paths, self.config.mem_pool_size, computes=computes)
         self.catalog.step_scheduled(computes)
+        self._steps_out.append((time.monotonic(), so.total_num_scheduled_tokens, computes))
         if not computes and not self.catalog.engine_busy_now:
             self._idle_wait()  # not with a computing step in flight: its output waits on this thread
         for new in so.scheduled_new_reqs:
@@ -378,6 +446,7 @@ class HpkvScheduler:
         if last:
             del self._async[req_id]
             self._unprotect(st)
+            self._measure_reads(st, st.promotions)
             log.info(
                 "hpkv: async load of request %s: %d chunks sent to the engine as they reached memory, "
                 "the last %.1f ms after the lookup%s",
@@ -443,8 +512,10 @@ class HpkvScheduler:
         self.trace.event("done", computed=getattr(wm, "computed", None))
         if not isinstance(wm, HpkvWorkerMeta):
             self.catalog.step_done(None)  # not our report: the oldest step in flight
+            self._step_reported(None)
             return
         self.catalog.step_done(wm.computed)
+        self._step_reported(wm.computed)
         if wm.attached:
             self._attached += wm.attached
             if self._attached >= self.world_size:
@@ -480,6 +551,21 @@ class HpkvScheduler:
                     self.catalog.count_load(len(op.slots), nbytes)
                     self._counters["loaded_tokens"] += op.tokens
         self.stats_file.write(self.stats)
+
+    def _step_reported(self, computed: bool | None) -> None:
+        """A step's output is back (the oldest step of its kind, as Cascade.step_done matches them):
+        a computing one measures the engine's prefill rate, from when it could start (scheduled, and
+        the step before it reported: with async scheduling the next step is scheduled early) to now."""
+        now = time.monotonic()
+        i = next((k for k, s in enumerate(self._steps_out) if computed is None or s[2] == computed), None)
+        if i is None:
+            return
+        sent, tokens, computes = self._steps_out[i]
+        del self._steps_out[i]
+        if computes:
+            self.costs.computed(tokens, now - max(sent, self._last_report))
+            self._memo.save(self.costs.prefill_rate())
+        self._last_report = now
 
     def has_pending_ops(self) -> bool:
         """Loads or stores the workers have not reported yet (the engine keeps stepping for them).
@@ -588,13 +674,22 @@ class HpkvScheduler:
         return {
             "tiers": self.catalog.stats(),
             "connector": dict(self._counters),
+            "write_behind": self.catalog.write_behind(),
+            "costs": self.costs.snapshot(),
             "pending": len(self._ops) + staging,
             "ranks": self.world_size,
         }
 
+    def stopping(self) -> None:
+        """The engine was told to stop (SIGTERM, SIGINT): write what is queued at once."""
+        self.catalog.stopping()
+
     def shutdown(self) -> None:
+        """Write what the write-behind holds, for at most SHUTDOWN_WRITE_S (a kill loses the rest),
+        then close everything."""
         self._refresher.stop()
+        self._memo.save(self.costs.prefill_rate(), force=True)
         self.stats_file.write(self.stats, force=True)
-        self.catalog.close()
+        self.catalog.close(SHUTDOWN_WRITE_S)
         self.stats_file.remove()
         self.trace.close()

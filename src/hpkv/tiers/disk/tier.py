@@ -30,11 +30,12 @@ from hpkv.core.paths import NotARegularFile, check_private_dir
 from hpkv.core.stats import TierStats
 from hpkv.tiers.base import Built
 from hpkv.tiers.disk.index import DiskIndex
-from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, write_atomic
+from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, in_page_cache, write_atomic
 
 log = logging.getLogger(__name__)
 
 NAME = "storage"
+DEVICE = "storage-device"  # where a read of a file not in the page cache comes from
 FORMAT_DIR = "v1"
 SUFFIX = ".kv"
 _STALE_TMP_S = 3600.0
@@ -238,6 +239,11 @@ class StorageTier:
     def held(self, key: bytes, tenant: str = SHARED_TENANT) -> bool:
         """:meth:`contains` (a local lookup; the tier protocol's no-wait question)."""
         return self.contains(key)
+
+    def source(self, key: bytes, tenant: str = SHARED_TENANT) -> str:
+        """``storage`` when ``key``'s file is whole in the page cache (read at memory speed), else
+        ``storage-device`` (read from the device, often many times slower)."""
+        return NAME if in_page_cache(self.path(key)) else DEVICE
 
     def write(self, key: bytes, rec: memoryview, tenant: str = SHARED_TENANT) -> bool:
         """Write a sealed record for ``key`` unless the tier already holds it. True if it is on disk now."""

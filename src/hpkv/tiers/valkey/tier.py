@@ -198,6 +198,10 @@ class ValkeyTier:
         self._remember(name)
         return True
 
+    def source(self, key: bytes, tenant: str = SHARED) -> str:
+        """Every read of this tier crosses the same link: its name."""
+        return self.name
+
     def held(self, key: bytes, tenant: str = SHARED) -> bool:
         """Whether this process wrote or read ``key`` back verified in the last PRESENT_S seconds
         (no network: for callers that must not wait on the server)."""

@@ -1,0 +1,247 @@
+"""Cost-aware loads: how much of a hit is worth loading, from rates measured in this engine.
+
+A hit's time to first token is about the time to load its chunks plus the time to compute the rest
+of the prompt; a chunk left out is computed instead. Loading chunk ``i`` saves ``tokens / prefill
+rate`` and costs ``bytes / read rate of the tier it is read from``, so the best load is the prefix
+of the hit whose summed savings are largest (a prefix: the engine can only skip the leading
+tokens). Memory chunks cost nothing to speak of and are always loaded.
+
+Every rate is learned from this engine's own work, per source, robust to outliers (the median of
+the last few samples):
+
+* **read rates** per source (``storage`` from the page cache, ``storage-device`` from the device,
+  ``valkey``), from the promotions of real hits: bytes over the span from the first read's start
+  to the last chunk's check;
+* **prefill rate** (tokens per second), from the engine's steps that computed at least a chunk of
+  tokens; kept per model and device in a small file beside the chunks (:class:`PrefillMemo`), so a
+  restarted engine knows it before its first prefill.
+
+Until a source's reads are measured it is loaded (the reads then measure it), unless its writes
+already show it far too slow: every thread reading at the rate one writer got would still lose
+to the prefill (a throttled link is as slow both ways; only remote tiers' writes are told here).
+A read rate is forgotten after ``SAMPLE_TTL_S`` so that a source that was too slow is tried again.
+
+Thread-safety: observations come from the scheduler thread and the write-behind thread; every
+method takes one small lock and never blocks on I/O, except :class:`PrefillMemo`'s file writes,
+which the caller rate-limits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+MEMORY = "memory"
+# How many samples a rate keeps: the median of the last few rides out one slow or fast outlier.
+SAMPLES = 16
+# A read rate older than this is forgotten: a source judged too slow is read again (and measured).
+SAMPLE_TTL_S = 300.0
+# A load must be expected to take at most this share of the recompute it replaces: estimates are
+# rough, and a near-tie is better recomputed than loaded a little slower.
+LOAD_MARGIN = 0.9
+# A prefill sample needs this many tokens in its step: small steps (decode) measure step overhead,
+# not the rate at which a prompt is computed.
+MIN_PREFILL_TOKENS = 256
+# Where the write rate stands in for an unmeasured read rate, it counts this many readers at once.
+WRITE_PRIOR_READERS = 8
+
+
+class Rate:
+    """The median of the last SAMPLES samples of one rate (units per second), each kept for ``ttl``."""
+
+    def __init__(self, ttl: float | None = None) -> None:
+        self._ttl = ttl
+        self._samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)  # (when, rate)
+
+    def add(self, units: float, seconds: float, now: float | None = None) -> None:
+        if units > 0 and seconds > 0:
+            self._samples.append((time.monotonic() if now is None else now, units / seconds))
+
+    def seed(self, rate: float) -> None:
+        """One sample from before this process (see :class:`PrefillMemo`)."""
+        if rate > 0:
+            self._samples.append((time.monotonic(), rate))
+
+    def value(self, now: float | None = None) -> float | None:
+        """The median rate of the samples still current, or None when there is none."""
+        if self._ttl is not None:
+            cutoff = (time.monotonic() if now is None else now) - self._ttl
+            while self._samples and self._samples[0][0] < cutoff:
+                self._samples.popleft()
+        if not self._samples:
+            return None
+        return statistics.median(r for _, r in self._samples)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A cost decision: load the first ``load`` chunks of a hit of ``found``; the rest is computed.
+    ``why`` says which rates decided it (empty when nothing was left out)."""
+
+    load: int
+    found: int
+    why: str = ""
+
+    @property
+    def left(self) -> int:
+        return self.found - self.load
+
+
+class LoadCosts:
+    def __init__(self, chunk_tokens: int, chunk_bytes: int, *, enabled: bool = True) -> None:
+        """``chunk_tokens`` tokens per chunk; ``chunk_bytes``: the bytes a load of one chunk reads
+        (every rank's shard). ``enabled=False`` (``HPKV_COST_AWARE_LOADS=false``): measure, never cut."""
+        self.chunk_tokens = chunk_tokens
+        self.chunk_bytes = chunk_bytes
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._reads: dict[str, Rate] = {}
+        self._writes: dict[str, Rate] = {}
+        self._prefill = Rate()
+
+    # -- observations -------------------------------------------------------------------
+
+    def read(self, source: str, nbytes: int, seconds: float) -> None:
+        """``nbytes`` (every rank's) came from ``source`` in ``seconds``, reads started to last check."""
+        with self._lock:
+            self._reads.setdefault(source, Rate(SAMPLE_TTL_S)).add(nbytes, seconds)
+
+    def wrote(self, tier: str, nbytes: int, seconds: float) -> None:
+        """One writer put ``nbytes`` into ``tier`` in ``seconds`` (the write-behind's timing)."""
+        with self._lock:
+            self._writes.setdefault(tier, Rate(SAMPLE_TTL_S)).add(nbytes, seconds)
+
+    def computed(self, tokens: int, seconds: float) -> None:
+        """The engine computed a step of ``tokens`` tokens in ``seconds``."""
+        if tokens >= MIN_PREFILL_TOKENS:
+            with self._lock:
+                self._prefill.add(tokens, seconds)
+
+    def seed_prefill(self, tokens_per_s: float) -> None:
+        with self._lock:
+            self._prefill.seed(tokens_per_s)
+
+    # -- estimates ----------------------------------------------------------------------
+
+    def prefill_rate(self) -> float | None:
+        with self._lock:
+            return self._prefill.value()
+
+    def read_rate(self, source: str) -> float | None:
+        """The measured read rate of ``source`` (bytes/s), else what its writes bound it to when they
+        show it far too slow to matter, else None (unknown: worth trying)."""
+        with self._lock:
+            r = self._reads.get(source)
+            got = r.value() if r is not None else None
+            if got is not None:
+                return got
+            w = self._writes.get(source)
+            written = w.value() if w is not None else None
+        return written * WRITE_PRIOR_READERS if written is not None else None
+
+    def snapshot(self) -> dict[str, float]:
+        """The current estimates, for stats: ``prefill_tokens_per_s`` and ``<source>_read_bytes_per_s``."""
+        out: dict[str, float] = {}
+        p = self.prefill_rate()
+        if p is not None:
+            out["prefill_tokens_per_s"] = round(p, 1)
+        with self._lock:
+            sources = list(self._reads)
+        for s in sources:
+            r = self.read_rate(s)
+            if r is not None:
+                out[f"{s}_read_bytes_per_s"] = round(r)
+        return out
+
+    # -- the decision -------------------------------------------------------------------
+
+    def plan(self, sources: Sequence[str]) -> Plan:
+        """How many leading chunks of a hit to load, ``sources[i]`` being where chunk ``i`` would be
+        read from (``memory`` or a source the reads were observed under). Loads everything when the
+        prefill rate is not known yet, or cost-aware loading is off."""
+        n = len(sources)
+        prefill = self.prefill_rate()
+        if not self.enabled or prefill is None or n == 0:
+            return Plan(n, n)
+        recompute = self.chunk_tokens / prefill  # seconds one chunk costs the engine
+        rates: dict[str, float | None] = {}
+        best, best_at, total = 0.0, 0, 0.0
+        for i, src in enumerate(sources):
+            if src == MEMORY:
+                cost = 0.0
+            else:
+                if src not in rates:
+                    rates[src] = self.read_rate(src)
+                rate = rates[src]
+                cost = 0.0 if rate is None else self.chunk_bytes / rate / LOAD_MARGIN
+            total += recompute - cost
+            if total >= best:
+                best, best_at = total, i + 1
+        if best_at == n:
+            return Plan(n, n)
+        slow = ", ".join(
+            f"{s} {r / 1e9:.2f} GB/s" for s, r in rates.items() if r is not None and s in sources[best_at:]
+        )
+        return Plan(best_at, n, f"{slow}, prefill {prefill / 1e3:.1f}k tokens/s")
+
+
+class PrefillMemo:
+    """The engine's prefill rate per model and device, in one small JSON file in each of ``dirs``
+    (the storage directory, which survives a reboot, and the pool's, which survives the storage
+    directory being emptied), so that a restarted engine decides its first hits with it. A file
+    that cannot be read or written costs only that: the rate is then learned again."""
+
+    NAME = ".hpkv-prefill-rates.json"
+
+    def __init__(self, dirs: Sequence[str | None], key: str) -> None:
+        self.paths = [os.path.join(d, self.NAME) for d in dirs if d]
+        self.key = key
+        self._saved = 0.0
+        self._last_write = 0.0
+
+    def load(self) -> float | None:
+        for path in self.paths:
+            got = self._read(path).get(self.key)
+            if isinstance(got, (int, float)) and got > 0:
+                self._saved = float(got)
+                return float(got)
+        return None
+
+    @staticmethod
+    def _read(path: str) -> dict[str, object]:
+        try:
+            with open(path) as f:
+                table = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return table if isinstance(table, dict) else {}
+
+    def save(self, rate: float | None, *, force: bool = False) -> None:
+        """Keep ``rate`` when it moved by more than a tenth since it was last kept (at most every
+        few seconds unless ``force``)."""
+        if not self.paths or rate is None:
+            return
+        now = time.monotonic()
+        if not force and (now - self._last_write < 10.0 or abs(rate - self._saved) <= 0.1 * self._saved):
+            return
+        self._last_write = now
+        self._saved = rate
+        for path in self.paths:
+            table = self._read(path)
+            table[self.key] = round(rate, 1)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            try:
+                with open(tmp, "w") as f:
+                    json.dump(table, f)
+                os.replace(tmp, path)  # a reader sees the old table or the new, never half
+            except OSError as e:
+                log.debug("hpkv: prefill rate not kept in %s: %s", path, e)

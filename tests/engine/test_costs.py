@@ -1,0 +1,121 @@
+"""Cost-aware loads (engine/costs.py): which prefix of a hit is worth loading, from measured rates."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from hpkv.engine.costs import (
+    MIN_PREFILL_TOKENS,
+    SAMPLE_TTL_S,
+    WRITE_PRIOR_READERS,
+    LoadCosts,
+    PrefillMemo,
+    Rate,
+)
+
+CHUNK_TOKENS = 256
+CHUNK_BYTES = 14 * 2**20  # a 7B-shaped chunk (Qwen2-7B, bf16)
+
+
+def costs(prefill: float | None = 40_000.0) -> LoadCosts:
+    c = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES)
+    if prefill is not None:
+        c.computed(8192, 8192 / prefill)
+    return c
+
+
+def test_without_a_prefill_rate_every_hit_loads_whole() -> None:
+    c = costs(prefill=None)
+    c.read("storage-device", 10 * CHUNK_BYTES, 10.0)  # absurdly slow, but nothing to compare with
+    assert c.plan(["storage-device"] * 8).load == 8
+
+
+def test_a_tier_slower_than_recomputing_is_left_to_the_engine() -> None:
+    # 40k tokens/s: a chunk costs 6.4 ms to compute; at 1 GB/s its 14.7 MB take 14.7 ms to read.
+    c = costs()
+    c.read("storage-device", 32 * CHUNK_BYTES, 32 * CHUNK_BYTES / 1e9)
+    plan = c.plan(["storage-device"] * 32)
+    assert (plan.load, plan.left) == (0, 32)
+    assert "storage-device 1.00 GB/s" in plan.why and "prefill 40.0k tokens/s" in plan.why
+
+
+def test_a_tier_faster_than_recomputing_loads_whole() -> None:
+    c = costs()
+    c.read("storage", 32 * CHUNK_BYTES, 32 * CHUNK_BYTES / 15e9)
+    assert c.plan(["storage"] * 32).load == 32
+
+
+def test_memory_is_always_loaded_and_the_slow_rest_is_recomputed() -> None:
+    c = costs()
+    c.read("valkey", CHUNK_BYTES, CHUNK_BYTES / 0.5e9)
+    plan = c.plan(["memory"] * 12 + ["valkey"] * 20)
+    assert (plan.load, plan.found, plan.left) == (12, 32, 20)
+
+
+def test_a_near_tie_is_recomputed() -> None:
+    c = costs()
+    tie = CHUNK_BYTES / (CHUNK_TOKENS / 40_000.0)  # bytes/s at which loading equals computing
+    c.read("storage", CHUNK_BYTES, CHUNK_BYTES / (tie * 1.05))  # 5% faster: inside the margin
+    assert c.plan(["storage"] * 4).load == 0
+    c2 = costs()
+    c2.read("storage", CHUNK_BYTES, CHUNK_BYTES / (tie * 1.5))
+    assert c2.plan(["storage"] * 4).load == 4
+
+
+def test_an_unmeasured_tier_is_tried_unless_its_writes_show_it_far_too_slow() -> None:
+    c = costs()
+    assert c.plan(["valkey"] * 4).load == 4  # nothing known: read it (and so measure it)
+    # One writer at 2 MB/s: even WRITE_PRIOR_READERS readers at that rate lose to the prefill.
+    c.wrote("valkey", CHUNK_BYTES, CHUNK_BYTES / 2e6)
+    assert c.read_rate("valkey") == 2e6 * WRITE_PRIOR_READERS
+    assert c.plan(["valkey"] * 4).load == 0
+    # Measured reads replace what the writes suggested.
+    c.read("valkey", 4 * CHUNK_BYTES, 4 * CHUNK_BYTES / 10e9)
+    assert c.plan(["valkey"] * 4).load == 4
+
+
+def test_the_median_rides_out_an_outlier_and_old_samples_are_forgotten() -> None:
+    r = Rate(ttl=SAMPLE_TTL_S)
+    for _ in range(5):
+        r.add(10.0, 1.0, now=100.0)
+    r.add(10.0, 100.0, now=100.0)  # one stalled read
+    assert r.value(now=100.0) == 10.0
+    assert r.value(now=100.0 + SAMPLE_TTL_S + 1) is None
+
+
+def test_small_steps_do_not_measure_the_prefill() -> None:
+    c = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES)
+    c.computed(MIN_PREFILL_TOKENS - 1, 0.001)  # a decode step: overhead, not prefill
+    assert c.prefill_rate() is None
+    c.computed(2048, 0.1)
+    assert c.prefill_rate() == 20480.0
+
+
+def test_cost_aware_loading_off_measures_but_never_cuts() -> None:
+    c = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES, enabled=False)
+    c.computed(8192, 0.2)
+    c.read("storage-device", CHUNK_BYTES, 1.0)
+    assert c.plan(["storage-device"] * 4).load == 4
+    assert c.snapshot()["storage-device_read_bytes_per_s"] == CHUNK_BYTES
+
+
+def test_the_prefill_rate_is_kept_per_model_and_device(tmp_path: object) -> None:
+    storage, pool = os.path.join(str(tmp_path), "storage"), os.path.join(str(tmp_path), "pool")
+    os.makedirs(storage)
+    os.makedirs(pool)
+    a = PrefillMemo([storage, pool], "model-a|NVIDIA H200")
+    assert a.load() is None
+    a.save(41_000.0, force=True)
+    PrefillMemo([storage, pool], "model-b|cpu").save(900.0, force=True)
+    assert PrefillMemo([storage, pool], "model-a|NVIDIA H200").load() == 41_000.0
+    assert PrefillMemo([storage], "model-b|cpu").load() == 900.0
+    path = os.path.join(storage, PrefillMemo.NAME)
+    with open(path) as f:
+        assert json.load(f) == {"model-a|NVIDIA H200": 41_000.0, "model-b|cpu": 900.0}
+    os.unlink(path)  # the storage directory emptied: the pool's copy still answers
+    assert PrefillMemo([storage, pool], "model-a|NVIDIA H200").load() == 41_000.0
+    with open(os.path.join(pool, PrefillMemo.NAME), "w") as f:
+        f.write("{not json")
+    assert PrefillMemo([storage, pool], "model-a|NVIDIA H200").load() is None  # learned again
+    assert PrefillMemo([None], "x").load() is None
