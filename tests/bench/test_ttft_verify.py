@@ -221,3 +221,17 @@ def test_copy_lines_set_each_hit_rows_loads_against_the_memory_reference(
     assert "= 0.90x pinned host-to-GPU copy (55.00 GB/s)" in memory
     assert "48.25 GB/s median" in storage and "= 0.88x pinned host-to-GPU copy" in storage
     assert "the copy lines below" in out  # the memory row is unresolved and says where its rate is
+
+
+def test_chunks_left_to_recompute_are_counted_out_of_a_hit_row() -> None:
+    """A cost-aware hit loads only what beats recomputing: the row proves what it loaded plus what
+    it left, never a load it did not make."""
+    cold = hp(storage_hits=2, memory_promotions=2, memory_hits=2, left=6)
+    ok, proof = verify_hpkv("storage-cold", cold, E)
+    assert ok and "storage hits 2/8" in proof and "6 left to recompute" in proof
+    assert not verify_hpkv("storage-cold", hp(storage_hits=2, memory_promotions=2, left=5), E)[0]
+    every = hp(left=8, keyspace_hits=8)  # one EXISTS per chunk, no GET
+    assert verify_hpkv("valkey", every, E)[0]
+    assert not verify_hpkv("valkey", hp(left=8, keyspace_hits=16), E)[0]
+    e = Expect(2, 4, 1100, in_memory=2)
+    assert verify_hpkv("mixed", hp(memory_hits=4, left=4), e)[0]  # memory loaded, storage left

@@ -112,9 +112,12 @@ def raw_read_gbps(root: str, count: int, threads: int, *, cold: bool, repeat: in
     return statistics.median(rates)
 
 
-def raw_glide_gbps(valkey: Any, count: int, workers: int, repeat: int = 3) -> float:
+def raw_glide_gbps(
+    valkey: Any, count: int, workers: int, repeat: int = 3, nodes: tuple[tuple[str, int], ...] | None = None
+) -> float:
     """GET ``count`` of the server's hpkv keys into preallocated buffers with GLIDE, one client per
-    thread (the loop hpkv's tier is built on, without its queue and checks). Median GB/s."""
+    thread (the loop hpkv's tier is built on, without its queue and checks). Median GB/s.
+    ``nodes``: reach the server there instead (a proxy in front of it)."""
     import mmap
 
     from hpkv.bench.valkey_tier import raw_glide_loop
@@ -135,7 +138,7 @@ def raw_glide_gbps(valkey: Any, count: int, workers: int, repeat: int = 3) -> fl
     finally:
         conn.close()
     bufs = [memoryview(mmap.mmap(-1, size)) for _ in keys]
-    nodes = tuple(("127.0.0.1", n.port) for n in valkey.nodes)
+    nodes = nodes or tuple(("127.0.0.1", n.port) for n in valkey.nodes)
     run = raw_glide_loop(nodes, [bytes(k) for k in keys], bufs, workers, size)
     rates = []
     for _ in range(repeat):

@@ -205,6 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", default=None, help="systems to run one after another, e.g. hpkv,none,native,lmcache"
     )
     ap.add_argument("--remote-url", default=None, help="use this valkey instead of an embedded one")
+    ap.add_argument(
+        "--valkey-link-mbs",
+        type=float,
+        default=0.0,
+        help="hpkv reaches its embedded valkey through a loopback proxy of this many MB/s each way "
+        "(a network link made real on one machine; the valkey row's raw reference goes through it too); "
+        "0: directly",
+    )
     ap.add_argument("--out", default="out/bench-ttft")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--block-size", type=int, default=64)
@@ -326,6 +334,7 @@ class Runner:
         self.work = tempfile.mkdtemp(prefix="hpkv-bench-ttft-")
         self.shm = tempfile.mkdtemp(prefix="hpkv-bench-", dir="/dev/shm")
         self.valkey: Any = None
+        self.link: Any = None  # the throttled proxy in front of the embedded valkey (--valkey-link-mbs)
         self.server: Server | None = None
         self.lmcache: Any = None
         self.peer_python = sys.executable
@@ -415,6 +424,12 @@ class Runner:
             self.valkey = ValkeyServers(directory=os.path.join(self.work, "valkey")).start()
             if self.hpkv:
                 env["HPKV_REMOTE_URL"] = self.valkey.url
+                if args.valkey_link_mbs > 0:
+                    from hpkv.bench.throttle import ThrottledProxy
+
+                    node = ("127.0.0.1", self.valkey.nodes[0].port)
+                    self.link = ThrottledProxy(node, args.valkey_link_mbs * 1e6).start()
+                    env["HPKV_REMOTE_URL"] = self.link.url
         # The same thread binding for every run: vLLM-CPU's automatic binding changes the number of
         # compute threads when a connector is configured, which would skew comparisons.
         cpus = sorted(os.sched_getaffinity(0))
@@ -500,6 +515,8 @@ class Runner:
             self.server.stop()
         if self.lmcache is not None:
             self.lmcache.stop()
+        if self.link is not None:
+            self.link.close()
         if self.valkey is not None:
             self.valkey.stop()
 
@@ -563,9 +580,11 @@ class Runner:
                 )
             elif name == "valkey" and self.valkey is not None:
                 workers = HpkvConfig.from_env().valkey_num_workers  # the engine's, as with storage
-                gbps = raw_glide_gbps(self.valkey, self.expect.chunks, workers=workers)
+                via = (("127.0.0.1", self.link.port),) if self.link is not None else None
+                gbps = raw_glide_gbps(self.valkey, self.expect.chunks, workers=workers, nodes=via)
                 self.out.refs[name] = (
-                    f"raw GLIDE GET loop over {self.expect.chunks} of its keys, {workers} threads",
+                    f"raw GLIDE GET loop over {self.expect.chunks} of its keys, {workers} threads"
+                    + (f", through the same {self.args.valkey_link_mbs:g} MB/s link" if via else ""),
                     gbps,
                 )
         except Exception as e:  # a reference that could not be measured is reported, not fatal
