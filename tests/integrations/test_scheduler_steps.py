@@ -937,3 +937,47 @@ def test_async_auto_on_a_gpu_a_storage_hit_alone_loads_asynchronously(make_sim: 
     sim.s.request_finished(again)
     assert sim.pinned() == 0
     sim.cat.check()
+
+
+def test_the_engines_steps_measure_its_prefill_rate_and_a_restart_keeps_it(
+    make_sim: Any, storage_dir: str
+) -> None:
+    sim = make_sim()
+    assert sim.s.costs.prefill_rate() is None
+    assert sim.cold("a", prompt(9, seed=30)) == 9  # one step of 289 tokens, reported
+    rate = sim.s.costs.prefill_rate()
+    assert rate is not None and rate > 0
+    with open(os.path.join(storage_dir, ".hpkv-prefill-rates.json")) as f:
+        assert list(json.load(f).values()) == [round(rate, 1)]
+    again = make_sim()  # the same model and device, after a restart
+    assert again.s.costs.prefill_rate() == round(rate, 1)
+
+
+def test_a_hit_slower_than_recomputing_is_left_to_the_engine_and_then_kept_in_memory(make_sim: Any) -> None:
+    sim = make_sim()
+    tokens = prompt(4, seed=31)
+    assert sim.cold("a", tokens) == 4
+    sim.s.reset_cache()  # memory emptied; the chunks stay in storage
+    writes = sim.cat.stats()["storage"]["writes"]
+    costs = sim.s.costs
+    costs.computed(4096, 0.1)  # the engine computes 41k tokens/s: a chunk in 0.8 ms
+    for src in ("storage", "storage-device"):  # storage, wherever it reads from, far slower
+        costs.read(src, 4 * costs.chunk_bytes, 10.0)
+    req = sim.request("b", tokens)
+    assert sim.lookup_settled(req) == 0
+    assert sim.counters()["chunks_left_to_recompute"] == 4
+    assert sim.counters()["lookups_cut_by_cost"] == 1
+    assert sim.cat.stats()[MEMORY]["promotions"] == 0  # nothing read
+    sim.admit(req, 0)
+    meta = sim.step([(req, 0, len(tokens))])
+    # The engine computed what was left to it: its KV goes into memory, though storage holds it.
+    assert len(meta.stores) == 4
+    sim.fill(meta)
+    sim.report({op: (1, 0) for op in sim.ops(meta)})
+    sim.s.request_finished(req)
+    sim.cat.flush()
+    assert sim.cat.stats()["storage"]["writes"] == writes  # not written to storage again
+    req = sim.request("c", tokens)
+    assert sim.lookup_settled(req) == 4 * CHUNK  # now a memory hit, always worth loading
+    assert sim.counters()["chunks_left_to_recompute"] == 4
+    sim.s.request_finished(req)

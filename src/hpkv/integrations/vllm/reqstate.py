@@ -41,6 +41,7 @@ class ReqState:
     # promotions of the load, whose timings measure those sources once they are all in.
     sources: dict[bytes, str] = field(default_factory=dict)
     promotions: list[Future[bool]] = field(default_factory=list)
+    left_out: set[bytes] = field(default_factory=set)  # chunks of the hit left to the engine (costs)
     # vLLM's async load (config.async_load: see HpkvScheduler._load_async): the hit's end in
     # tokens once answered; the chunks not yet sent to the workers (index, their promotion or None
     # for a chunk in memory); the load op from allocation until every rank reported it.

@@ -332,6 +332,7 @@ class HpkvScheduler:
         st.sources = {lk: src for lk, src in zip(lks, sources, strict=True) if src != MEMORY}
         plan = self.costs.plan(sources)
         if plan.left:
+            st.left_out = set(lks[plan.load :])
             self._counters["lookups_cut_by_cost"] += 1
             self._counters["chunks_left_to_recompute"] += plan.left
             log.info(
@@ -487,7 +488,12 @@ class HpkvScheduler:
             j = st.next_store
             st.next_store += 1
             lk = st.lks[j]
-            if lk in self._pending_store or self.catalog.in_memory(lk) or self.catalog.in_storage(lk):
+            if lk in self._pending_store or self.catalog.in_memory(lk):
+                continue
+            # A chunk storage holds is not written again, unless the hit left it to the engine as
+            # slower to read than to compute: the engine's KV of it then goes into memory, so the
+            # next hit loads it from there (the write-behind finds storage holding it).
+            if lk not in st.left_out and self.catalog.in_storage(lk):
                 continue
             reserved = self.catalog.reserve()
             if reserved is None:
