@@ -170,6 +170,9 @@ def _stats(directory: str | None, as_json: bool) -> int:
                 f"evictions {v['evictions']}  errors {v['errors']}"
             )
         print("  connector", " ".join(f"{k}={v}" for k, v in doc.get("connector", {}).items()))
+        for part in ("write_behind", "costs"):
+            if doc.get(part):
+                print(f"  {part}", " ".join(f"{k}={v}" for k, v in doc[part].items()))
     return 0
 
 

@@ -59,6 +59,14 @@ def install_collector() -> None:
                     f"hpkv_tier_{name}", f"hpkv per-tier {name}", labels=["tier", "pid"]
                 )
             conn = CounterMetricFamily("hpkv_connector", "hpkv connector counters", labels=["what", "pid"])
+            # Gauges: the write-behind's progress and longest wait, and the measured rates that decide
+            # how much of a hit to load (engine/costs.py).
+            parts = {
+                part: GaugeMetricFamily(
+                    f"hpkv_{part}", f"hpkv {part.replace('_', '-')}", labels=["what", "pid"]
+                )
+                for part in ("write_behind", "costs")
+            }
             for doc in docs:
                 pid = str(doc.get("pid"))
                 for tier, vals in (doc.get("tiers") or {}).items():
@@ -69,8 +77,12 @@ def install_collector() -> None:
                             fam.add_metric([tier, pid], float(vals[name]))
                 for what, v in (doc.get("connector") or {}).items():
                     conn.add_metric([what, pid], float(v))
+                for part, fam in parts.items():
+                    for what, v in (doc.get(part) or {}).items():
+                        fam.add_metric([what, pid], float(v))
             yield from fams.values()
             yield conn
+            yield from parts.values()
 
     with contextlib.suppress(ValueError):  # already registered in this process
         REGISTRY.register(HpkvCollector())
