@@ -235,3 +235,15 @@ def test_chunks_left_to_recompute_are_counted_out_of_a_hit_row() -> None:
     assert not verify_hpkv("valkey", hp(left=8, keyspace_hits=16), E)[0]
     e = Expect(2, 4, 1100, in_memory=2)
     assert verify_hpkv("mixed", hp(memory_hits=4, left=4), e)[0]  # memory loaded, storage left
+
+
+def test_a_row_that_left_chunks_to_recompute_claims_no_load_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    gpu = _row("gpu", [0.060] * 6)
+    cold = _row("storage-cold", [0.22, 0.23, 0.22, 0.30, 0.22, 0.22])
+    cold.deltas = {"left": 352}
+    x = System("hpkv", rows=[_row("prefill", [0.25] * 6), gpu, cold])
+    x.refs = {"storage-cold": ("raw O_DIRECT read", 2.0)}
+    print_system(x, 448 << 20, False)
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("storage-cold"))
+    assert "recomputed" in line and "GB/s" not in line and "slower to read than to compute" in out

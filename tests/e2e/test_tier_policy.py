@@ -134,9 +134,12 @@ def valkey_server(demo_model: str, tmp: str, name: str, port: int, url: str) -> 
     return make_server(demo_model, tmp, name, port, connector_json=cfg, env={"HPKV_KV_STORAGE_PATH": ""})
 
 
-def cold_then_hits(s: Server, demo_model: str, seed: int) -> tuple[list[float], list[float], Counters]:
+def cold_then_hits(
+    s: Server, demo_model: str, seed: int
+) -> tuple[list[float], list[float], Counters, list[tuple[str, str]]]:
     """Three cold prompts (stored to memory and valkey), the memory pool emptied, the same three
-    again; their TTFTs, and the counters around the hits. The hits' texts equal the cold texts."""
+    again; their TTFTs, the counters around the hits, and each prompt with its text. The hits'
+    texts equal the cold texts."""
     prompts = [words_prompt(demo_model, 1100, seed=seed + i) for i in range(3)]  # 4 full chunks each
     colds, texts = [], []
     for p in prompts:
@@ -151,7 +154,7 @@ def cold_then_hits(s: Server, demo_model: str, seed: int) -> tuple[list[float], 
         ttft, resp = s.complete(p, max_tokens=8)
         hits.append(ttft)
         assert resp["choices"][0]["text"] == want
-    return colds, hits, c
+    return colds, hits, c, list(zip(prompts, texts, strict=True))
 
 
 def test_a_hit_over_a_slow_link_is_recomputed_and_no_slower_than_the_cold_prefill(
@@ -162,13 +165,21 @@ def test_a_hit_over_a_slow_link_is_recomputed_and_no_slower_than_the_cold_prefil
         s = valkey_server(demo_model, tmp, "slow", 8462, link.url)
         s.start()
         try:
-            colds, hits, c = cold_then_hits(s, demo_model, seed=800)
+            colds, hits, c, done = cold_then_hits(s, demo_model, seed=800)
             assert c.delta("connector", "chunks_left_to_recompute") == 12
             assert c.delta("connector", "lookups_cut_by_cost") == 3
             assert c.delta("valkey", "hits") == 0
             assert "left to recompute (valkey" in s.log_tail(400)
             # Loading would have taken seconds; recomputing costs what the cold prefill did.
             assert statistics.median(hits) <= 1.05 * statistics.median(colds) + 0.05, (hits, colds)
+            # A restart (memory empty, nothing written since) decides the first hit with what the
+            # engine before it learned: kept beside the pool.
+            s.restart()
+            c = Counters(s)
+            for p, want in done:
+                assert text(s, p, 8) == want
+            assert c.delta("connector", "lookups_cut_by_cost") == 3
+            assert c.delta("valkey", "hits") == 0
         finally:
             s.stop()
 
@@ -177,7 +188,7 @@ def test_a_hit_over_a_fast_link_loads_whole(demo_model: str, tmp: str, valkey: V
     s = valkey_server(demo_model, tmp, "fast", 8463, valkey.url)
     s.start()
     try:
-        _, _, c = cold_then_hits(s, demo_model, seed=900)
+        _, _, c, _ = cold_then_hits(s, demo_model, seed=900)
         assert c.delta("valkey", "hits") == 12
         assert c.delta("connector", "chunks_left_to_recompute") == 0
         assert c.delta("connector", "loaded_tokens") == 12 * CHUNK

@@ -10,8 +10,8 @@ from hpkv.engine.costs import (
     SAMPLE_TTL_S,
     WRITE_PRIOR_READERS,
     LoadCosts,
-    PrefillMemo,
     Rate,
+    RateMemo,
 )
 
 CHUNK_TOKENS = 256
@@ -100,22 +100,43 @@ def test_cost_aware_loading_off_measures_but_never_cuts() -> None:
     assert c.snapshot()["storage-device_read_bytes_per_s"] == CHUNK_BYTES
 
 
-def test_the_prefill_rate_is_kept_per_model_and_device(tmp_path: object) -> None:
+def test_the_estimates_are_kept_per_model_and_device(tmp_path: object) -> None:
     storage, pool = os.path.join(str(tmp_path), "storage"), os.path.join(str(tmp_path), "pool")
     os.makedirs(storage)
     os.makedirs(pool)
-    a = PrefillMemo([storage, pool], "model-a|NVIDIA H200")
-    assert a.load() is None
-    a.save(41_000.0, force=True)
-    PrefillMemo([storage, pool], "model-b|cpu").save(900.0, force=True)
-    assert PrefillMemo([storage, pool], "model-a|NVIDIA H200").load() == 41_000.0
-    assert PrefillMemo([storage], "model-b|cpu").load() == 900.0
-    path = os.path.join(storage, PrefillMemo.NAME)
+    c = costs(prefill=41_000.0)
+    c.read("storage-device", CHUNK_BYTES, CHUNK_BYTES / 1.9e9)
+    c.wrote("valkey", CHUNK_BYTES, CHUNK_BYTES / 2e6)
+    kept = c.export()
+    assert kept == {"prefill": 41_000.0, "read:storage-device": 1.9e9, "write:valkey": 2e6}
+    RateMemo([storage, pool], "model-a|NVIDIA H200").save(kept, force=True)
+    RateMemo([storage, pool], "model-b|cpu").save({"prefill": 900.0}, force=True)
+    assert RateMemo([storage, pool], "model-b|cpu").load() == {"prefill": 900.0}
+    path = os.path.join(storage, RateMemo.NAME)
     with open(path) as f:
-        assert json.load(f) == {"model-a|NVIDIA H200": 41_000.0, "model-b|cpu": 900.0}
+        assert set(json.load(f)) == {"model-a|NVIDIA H200", "model-b|cpu"}
     os.unlink(path)  # the storage directory emptied: the pool's copy still answers
-    assert PrefillMemo([storage, pool], "model-a|NVIDIA H200").load() == 41_000.0
-    with open(os.path.join(pool, PrefillMemo.NAME), "w") as f:
+    restarted = costs(prefill=None)
+    restarted.seed(RateMemo([storage, pool], "model-a|NVIDIA H200").load())
+    assert restarted.prefill_rate() == 41_000.0
+    assert restarted.read_rate("storage-device") == 1.9e9
+    assert restarted.read_rate("valkey") == 2e6 * WRITE_PRIOR_READERS  # still only the writes' bound
+    assert restarted.plan(["storage-device"] * 4).load == 0  # decided before any new measurement
+    with open(os.path.join(pool, RateMemo.NAME), "w") as f:
         f.write("{not json")
-    assert PrefillMemo([storage, pool], "model-a|NVIDIA H200").load() is None  # learned again
-    assert PrefillMemo([None], "x").load() is None
+    assert RateMemo([storage, pool], "model-a|NVIDIA H200").load() == {}  # learned again, no error
+    assert RateMemo([None], "x").load() == {}
+
+
+def test_a_new_estimate_is_kept_at_once_a_moved_one_at_most_every_interval(tmp_path: object) -> None:
+    """vLLM may kill the engine at any moment after a SIGTERM: what was learned first is on disk
+    already; later moves are written at most every MIN_INTERVAL_S (or when forced, at a stop)."""
+    d = str(tmp_path)
+    m = RateMemo([d], "k")
+    m.save({"prefill": 100.0})
+    m.save({"prefill": 100.0, "write:valkey": 5.0})  # a new estimate: kept at once
+    assert RateMemo([d], "k").load() == {"prefill": 100.0, "write:valkey": 5.0}
+    m.save({"prefill": 200.0, "write:valkey": 5.0})  # moved, but within the interval
+    assert RateMemo([d], "k").load()["prefill"] == 100.0
+    m.save({"prefill": 200.0, "write:valkey": 5.0}, force=True)
+    assert RateMemo([d], "k").load()["prefill"] == 200.0

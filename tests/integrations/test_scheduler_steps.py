@@ -947,8 +947,8 @@ def test_the_engines_steps_measure_its_prefill_rate_and_a_restart_keeps_it(
     assert sim.cold("a", prompt(9, seed=30)) == 9  # one step of 289 tokens, reported
     rate = sim.s.costs.prefill_rate()
     assert rate is not None and rate > 0
-    with open(os.path.join(storage_dir, ".hpkv-prefill-rates.json")) as f:
-        assert list(json.load(f).values()) == [round(rate, 1)]
+    with open(os.path.join(storage_dir, ".hpkv-rates.json")) as f:
+        assert list(json.load(f).values()) == [{"prefill": round(rate, 1)}]
     again = make_sim()  # the same model and device, after a restart
     assert again.s.costs.prefill_rate() == round(rate, 1)
 

@@ -28,7 +28,10 @@ def print_system(x: System, kv_bytes: int, label: bool) -> None:
         rate, vs = "", ""
         if r.scenario in HITS and gpu and r.valid:
             lo, hi = diff_interval(r, gpu)
-            if lo <= 0 or r.median <= gpu.median:
+            if r.deltas.get("left", 0):  # part of each hit was recomputed: its TTFT is no load's
+                rate = "recomputed"
+                notes.add("recomputed")
+            elif lo <= 0 or r.median <= gpu.median:
                 rate = "unresolved"
                 notes.add("unresolved")
             else:
@@ -57,6 +60,12 @@ def print_system(x: System, kv_bytes: int, label: bool) -> None:
         print(
             "(95% interval): of the ratio, from a bootstrap of the difference between the row's median "
             "and the GPU-hit row's"
+        )
+    if "recomputed" in notes:
+        print(
+            "recomputed: hpkv left part of the row's hits to the engine, as slower to read than to "
+            "compute (its proof says how many chunks): the row's TTFT is not a load's, so no load rate "
+            "is claimed; set it against the prefill row"
         )
     if "above" in notes:
         print(

@@ -15,6 +15,9 @@ import time
 
 # Bytes a pump moves per turn: small enough that the bucket's pacing is smooth at a few MB/s.
 PIECE = 64 * 1024
+# What an idle link may bank: a few milliseconds of its rate (a whole second banked let a 448 MiB
+# burst through at memory speed).
+BURST_S = 0.005
 
 
 class _Bucket:
@@ -34,7 +37,7 @@ class _Bucket:
                 return
             with self._lock:
                 now = time.monotonic()
-                self._tokens = min(max(rate, n), self._tokens + (now - self._at) * rate)
+                self._tokens = min(max(rate * BURST_S, n), self._tokens + (now - self._at) * rate)
                 self._at = now
                 if self._tokens >= n:
                     self._tokens -= n

@@ -13,8 +13,10 @@ the last few samples):
   ``valkey``), from the promotions of real hits: bytes over the span from the first read's start
   to the last chunk's check;
 * **prefill rate** (tokens per second), from the engine's steps that computed at least a chunk of
-  tokens; kept per model and device in a small file beside the chunks (:class:`PrefillMemo`), so a
-  restarted engine knows it before its first prefill.
+  tokens.
+
+Every estimate is kept per model and device in a small file beside the chunks and the pool
+(:class:`RateMemo`), so a restarted engine decides its first hits with what the last one learned.
 
 Until a source's reads are measured it is loaded (the reads then measure it), unless its writes
 already show it far too slow: every thread reading at the rate one writer got would still lose
@@ -22,7 +24,7 @@ to the prefill (a throttled link is as slow both ways; only remote tiers' writes
 A read rate is forgotten after ``SAMPLE_TTL_S`` so that a source that was too slow is tried again.
 
 Thread-safety: observations come from the scheduler thread and the write-behind thread; every
-method takes one small lock and never blocks on I/O, except :class:`PrefillMemo`'s file writes,
+method takes one small lock and never blocks on I/O, except :class:`RateMemo`'s file writes,
 which the caller rate-limits.
 """
 
@@ -67,7 +69,7 @@ class Rate:
             self._samples.append((time.monotonic() if now is None else now, units / seconds))
 
     def seed(self, rate: float) -> None:
-        """One sample from before this process (see :class:`PrefillMemo`)."""
+        """One sample from before this process (see :class:`RateMemo`)."""
         if rate > 0:
             self._samples.append((time.monotonic(), rate))
 
@@ -126,10 +128,6 @@ class LoadCosts:
             with self._lock:
                 self._prefill.add(tokens, seconds)
 
-    def seed_prefill(self, tokens_per_s: float) -> None:
-        with self._lock:
-            self._prefill.seed(tokens_per_s)
-
     # -- estimates ----------------------------------------------------------------------
 
     def prefill_rate(self) -> float | None:
@@ -147,6 +145,33 @@ class LoadCosts:
             w = self._writes.get(source)
             written = w.value() if w is not None else None
         return written * WRITE_PRIOR_READERS if written is not None else None
+
+    def export(self) -> dict[str, float]:
+        """The current estimates by name (``prefill``, ``read:<source>``, ``write:<tier>``), for
+        :class:`RateMemo`: only what was measured, never a write standing in for a read."""
+        out: dict[str, float] = {}
+        with self._lock:
+            p = self._prefill.value()
+            if p is not None:
+                out["prefill"] = p
+            for kind, rates in (("read", self._reads), ("write", self._writes)):
+                for name, r in rates.items():
+                    v = r.value()
+                    if v is not None:
+                        out[f"{kind}:{name}"] = v
+        return out
+
+    def seed(self, kept: dict[str, float]) -> None:
+        """One sample per estimate from before this process (:meth:`export`'s names); each expires
+        as a measured one would."""
+        with self._lock:
+            for name, v in kept.items():
+                kind, _, what = name.partition(":")
+                if kind == "prefill":
+                    self._prefill.seed(v)
+                elif kind in ("read", "write") and what:
+                    rates = self._reads if kind == "read" else self._writes
+                    rates.setdefault(what, Rate(SAMPLE_TTL_S)).seed(v)
 
     def snapshot(self) -> dict[str, float]:
         """The current estimates, for stats: ``prefill_tokens_per_s`` and ``<source>_read_bytes_per_s``."""
@@ -194,27 +219,36 @@ class LoadCosts:
         return Plan(best_at, n, f"{slow}, prefill {prefill / 1e3:.1f}k tokens/s")
 
 
-class PrefillMemo:
-    """The engine's prefill rate per model and device, in one small JSON file in each of ``dirs``
-    (the storage directory, which survives a reboot, and the pool's, which survives the storage
-    directory being emptied), so that a restarted engine decides its first hits with it. A file
-    that cannot be read or written costs only that: the rate is then learned again."""
+class RateMemo:
+    """The estimates of :class:`LoadCosts` per model and device (``key``), in one small JSON file in
+    each of ``dirs`` (the storage directory, which survives a reboot, and the pool's, which survives
+    the storage directory being emptied). A file that cannot be read or written costs only that:
+    the rates are then learned again."""
 
-    NAME = ".hpkv-prefill-rates.json"
+    NAME = ".hpkv-rates.json"
+    # Kept again when an estimate moved by more than this share, at most every MIN_INTERVAL_S.
+    MOVED = 0.1
+    MIN_INTERVAL_S = 10.0
 
     def __init__(self, dirs: Sequence[str | None], key: str) -> None:
         self.paths = [os.path.join(d, self.NAME) for d in dirs if d]
         self.key = key
-        self._saved = 0.0
+        self._saved: dict[str, float] = {}
         self._last_write = 0.0
 
-    def load(self) -> float | None:
+    def load(self) -> dict[str, float]:
         for path in self.paths:
             got = self._read(path).get(self.key)
-            if isinstance(got, (int, float)) and got > 0:
-                self._saved = float(got)
-                return float(got)
-        return None
+            if isinstance(got, dict):
+                kept = {
+                    k: float(v)
+                    for k, v in got.items()
+                    if isinstance(k, str) and isinstance(v, (int, float)) and v > 0
+                }
+                if kept:
+                    self._saved = dict(kept)
+                    return kept
+        return {}
 
     @staticmethod
     def _read(path: str) -> dict[str, object]:
@@ -225,23 +259,27 @@ class PrefillMemo:
             return {}
         return table if isinstance(table, dict) else {}
 
-    def save(self, rate: float | None, *, force: bool = False) -> None:
-        """Keep ``rate`` when it moved by more than a tenth since it was last kept (at most every
-        few seconds unless ``force``)."""
-        if not self.paths or rate is None:
+    def save(self, rates: dict[str, float], *, force: bool = False) -> None:
+        """Keep ``rates`` when one is new (at once: vLLM may kill the engine at any moment), or when one
+        moved by more than MOVED since last kept (at most every MIN_INTERVAL_S), or when ``force``."""
+        if not self.paths or not rates:
             return
         now = time.monotonic()
-        if not force and (now - self._last_write < 10.0 or abs(rate - self._saved) <= 0.1 * self._saved):
+        new = any(k not in self._saved for k in rates)
+        moved = any(
+            abs(v - self._saved.get(k, 0.0)) > self.MOVED * self._saved.get(k, 0.0) for k, v in rates.items()
+        )
+        if not (force or new or (moved and now - self._last_write >= self.MIN_INTERVAL_S)):
             return
         self._last_write = now
-        self._saved = rate
+        self._saved = dict(rates)
         for path in self.paths:
             table = self._read(path)
-            table[self.key] = round(rate, 1)
+            table[self.key] = {k: round(v, 1) for k, v in rates.items()}
             tmp = f"{path}.{os.getpid()}.tmp"
             try:
                 with open(tmp, "w") as f:
                     json.dump(table, f)
                 os.replace(tmp, path)  # a reader sees the old table or the new, never half
             except OSError as e:
-                log.debug("hpkv: prefill rate not kept in %s: %s", path, e)
+                log.debug("hpkv: rates not kept in %s: %s", path, e)

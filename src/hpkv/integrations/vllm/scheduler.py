@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, Catalog
-from hpkv.engine.costs import PrefillMemo
+from hpkv.engine.costs import RateMemo
 from hpkv.engine.reads import Promotion, staged_line
 from hpkv.integrations.vllm.arrival import ArrivalCheck
 from hpkv.integrations.vllm.async_parts import next_part
@@ -78,7 +78,7 @@ class HpkvScheduler:
         write-behind waits for idle time (see :meth:`Catalog.step_scheduled`). ``adopt_pools``: per
         rank, the pool file its worker made at start, if it did (see connector.py). ``gpu``: the
         engine's KV is on a GPU, where a load's copies can run beside a step (``HPKV_ASYNC_LOAD=auto``).
-        ``device``: the engine's device name, under which its prefill rate is kept (engine/costs.py)."""
+        ``device``: the engine's device name, under which its measured rates are kept (engine/costs.py)."""
         if config.chunk_size % block_size:
             why = f"is not a multiple of the engine's --block-size {block_size}"
             raise config.refuse("chunk_size", why, f"{block_size * max(1, config.chunk_size // block_size)}")
@@ -114,13 +114,11 @@ class HpkvScheduler:
             "chunks_left_to_recompute": 0,  # the chunks those hits left out
         }
         self.costs = self.catalog.costs
-        self._memo = PrefillMemo(
+        self._memo = RateMemo(
             [config.resolved_storage_path, config.share_mem_file_path if self.catalog.pools else None],
             f"{namespace.logical_digest.hex()}|{device or ('gpu' if gpu else 'cpu')}",
         )
-        kept = self._memo.load()
-        if kept is not None:
-            self.costs.seed_prefill(kept)
+        self.costs.seed(self._memo.load())
         # Steps scheduled and not yet reported: (when, tokens, computes), oldest first.
         self._steps_out: deque[tuple[float, int, bool]] = deque(maxlen=8)
         self._last_report = 0.0
@@ -360,6 +358,7 @@ class HpkvScheduler:
             got[1], got[2] = min(got[1], f.began), max(got[2], f.settled)
         for src, (n, began, settled) in spans.items():
             self.costs.read(src, int(n) * self.catalog.payload_bytes * self.world_size, settled - began)
+        self._memo.save(self.costs.export())
 
     def _end_async(self, st: ReqState) -> None:
         st.async_hit, st.async_wait, st.staging = 0, [], []
@@ -570,7 +569,7 @@ class HpkvScheduler:
         del self._steps_out[i]
         if computes:
             self.costs.computed(tokens, now - max(sent, self._last_report))
-            self._memo.save(self.costs.prefill_rate())
+            self._memo.save(self.costs.export())
         self._last_report = now
 
     def has_pending_ops(self) -> bool:
@@ -687,15 +686,26 @@ class HpkvScheduler:
         }
 
     def stopping(self) -> None:
-        """The engine was told to stop (SIGTERM, SIGINT): write what is queued at once."""
+        """The engine was told to stop (SIGTERM, SIGINT; on the main thread, in the signal handler):
+        keep the measured rates and write what is queued at once. With vLLM's default
+        ``--shutdown-timeout 0`` the engine is killed right after, and :meth:`shutdown` never runs."""
+        self._memo.save(self.costs.export(), force=True)
         self.catalog.stopping()
 
     def shutdown(self) -> None:
         """Write what the write-behind holds, for at most SHUTDOWN_WRITE_S (a kill loses the rest),
         then close everything."""
         self._refresher.stop()
-        self._memo.save(self.costs.prefill_rate(), force=True)
+        self._memo.save(self.costs.export(), force=True)
         self.stats_file.write(self.stats, force=True)
+        wb = self.catalog.write_behind()
+        log.info(
+            "hpkv: stopping: %d chunks written to the slower tiers since start (longest wait %d ms), "
+            "%d still queued",
+            wb["written"],
+            wb["delay_max_ms"],
+            wb["pending"],
+        )
         self.catalog.close(SHUTDOWN_WRITE_S)
         self.stats_file.remove()
         self.trace.close()
