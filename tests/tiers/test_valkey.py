@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from hpkv import HpkvConfigError, KVLayout
+from hpkv.bench.throttle import ThrottledProxy
 from hpkv.bench.valkey import ValkeyServers, free_port, make_tls_files
 from hpkv.core import record
 from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
@@ -405,54 +405,11 @@ def test_a_write_replaces_a_bad_value_and_reads_nothing(valkey_server: ValkeySer
         conn.close()
 
 
-class SlowProxy:
-    """A loopback TCP proxy that holds every reply of the server back by ``delay`` seconds: a real
-    valkey-server behind a slow link (a slow server cannot be had on demand)."""
-
-    def __init__(self, upstream_port: int, delay: float) -> None:
-        import socket
-
-        self.delay = delay
-        self.upstream = upstream_port
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-
-        while not self._stop.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self.upstream))
-            threading.Thread(target=self._pump, args=(client, server, 0.0), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, self.delay), daemon=True).start()
-
-    def _pump(self, src: Any, dst: Any, delay: float) -> None:
-        try:
-            while data := src.recv(1 << 20):
-                if delay:
-                    time.sleep(delay)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self.sock.close()
-
-
 def test_put_never_waits_on_a_slow_valkey(make_store: StoreFactory, valkey_server: ValkeyServers) -> None:
     """Each reply 0.3 s late: put() of 16 chunks took 6 s (an EXISTS per chunk from the caller's
     thread); now the caller only fills memory and the cascade writes in the background."""
-    proxy = SlowProxy(valkey_server.nodes[0].port, 0.3)
+    # A real valkey-server behind a far link (a slow server cannot be had on demand).
+    proxy = ThrottledProxy(("127.0.0.1", valkey_server.nodes[0].port), reply_delay=0.3).start()
     try:
         s = make_store(
             model_id="slow",

@@ -3,7 +3,8 @@ its Valkey, made real on one machine (``hpkv bench ttft --valkey-link-mbps``, th
 
 Each direction shares one token bucket over all connections (a link, not a per-connection cap),
 so eight GLIDE workers reading at once still get the link's rate between them. The rate can be
-changed while connections are open (:attr:`ThrottledProxy.bytes_per_s`; 0: unlimited).
+changed while connections are open (:attr:`ThrottledProxy.bytes_per_s`; 0: unlimited). A
+``reply_delay`` holds every piece of the server's replies back that long (a far server).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ class _Bucket:
 
 
 class ThrottledProxy:
-    """Forwards ``127.0.0.1:<port>`` to ``target`` (host, port) at ``bytes_per_s`` each way."""
+    """Forwards ``127.0.0.1:<port>`` to ``target`` (host, port) at ``bytes_per_s`` each way, each
+    piece of a reply ``reply_delay`` seconds late."""
 
-    def __init__(self, target: tuple[str, int], bytes_per_s: float = 0.0) -> None:
+    def __init__(self, target: tuple[str, int], bytes_per_s: float = 0.0, reply_delay: float = 0.0) -> None:
         self.target = target
         self.bytes_per_s = bytes_per_s
+        self.reply_delay = reply_delay
         self._up = _Bucket(self)
         self._down = _Bucket(self)
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -99,15 +102,19 @@ class ThrottledProxy:
                 continue
             with self._lock:
                 self._socks.update((client, server))
-            for a, b, bucket in ((client, server, self._up), (server, client, self._down)):
-                threading.Thread(target=self._pump, args=(a, b, bucket), daemon=True).start()
+            for a, b, bucket, delay in ((client, server, self._up, 0.0), (server, client, self._down, None)):
+                threading.Thread(target=self._pump, args=(a, b, bucket, delay), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, bucket: _Bucket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, bucket: _Bucket, delay: float | None) -> None:
+        """``delay``: None for the replies (``reply_delay``, read at each piece)."""
         try:
             while True:
                 data = src.recv(PIECE)
                 if not data:
                     break
+                late = self.reply_delay if delay is None else delay
+                if late:
+                    time.sleep(late)
                 bucket.take(len(data))
                 dst.sendall(data)
         except OSError:
