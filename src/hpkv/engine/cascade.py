@@ -81,7 +81,7 @@ class Cascade:
         self._wake = threading.Condition(self._lock)  # a change that may let a deferred write go
         self._changes = 0
         self._busy = False
-        self._busy_since = self._idle_since = 0.0
+        self._idle_since = 0.0
         self._steps: deque[bool] = deque(maxlen=STEPS_IN_FLIGHT_MAX)  # scheduled, not answered
         self._urgent = 0  # flushes waiting: write at once
         self._closing = False
@@ -128,11 +128,8 @@ class Cascade:
         drops)."""
         if busy == self._busy:
             return
-        now = time.monotonic()
-        if busy:
-            self._busy_since = now
-        else:
-            self._idle_since = now
+        if not busy:
+            self._idle_since = time.monotonic()
         self._busy = busy
         if self._defer:
             self._changed()
