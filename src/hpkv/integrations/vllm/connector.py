@@ -292,9 +292,11 @@ def _device_name(platform: Any) -> str:
 
 
 def _on_stop_signals(callback: Callable[[], None]) -> None:
-    """Call ``callback`` when the engine process is told to stop (SIGTERM, SIGINT), before the
+    """Start ``callback`` when the engine process is told to stop (SIGTERM, SIGINT), before the
     handler vLLM installed: the write-behind can start writing at once rather than when vLLM's
-    shutdown reaches the connector, a few seconds before the process is killed. Only from the
+    shutdown reaches the connector (which, by default, it never does: the engine is killed first).
+    The callback runs on a thread of its own: the handler interrupts the main thread between any two
+    bytecodes, possibly inside a lock the callback needs (the cascade's, the rates'). Only from the
     process's main thread (where vLLM builds the scheduler); elsewhere nothing is installed."""
     if threading.current_thread() is not threading.main_thread():
         return
@@ -302,7 +304,7 @@ def _on_stop_signals(callback: Callable[[], None]) -> None:
         before = signal.getsignal(sig)
 
         def handler(signum: int, frame: Any, before: Any = before) -> None:
-            callback()
+            threading.Thread(target=callback, name="hpkv-stopping", daemon=True).start()
             if callable(before):
                 before(signum, frame)
             elif before == signal.SIG_DFL:

@@ -686,7 +686,7 @@ class HpkvScheduler:
         }
 
     def stopping(self) -> None:
-        """The engine was told to stop (SIGTERM, SIGINT; on the main thread, in the signal handler):
+        """The engine was told to stop (SIGTERM, SIGINT; on a thread the signal handler starts):
         keep the measured rates and write what is queued at once. With vLLM's default
         ``--shutdown-timeout 0`` the engine is killed right after, and :meth:`shutdown` never runs."""
         self._memo.save(self.costs.export(), force=True)
