@@ -632,11 +632,11 @@ class HpkvScheduler:
         compute waits for it: on the H200 ~9 ms per 448 MiB hit, several hits admitted together
         stacking up, for every request in the step. A slow hit async sends each chunk to the
         engine as it arrives, so its copies overlap the reads: with CUDA graphs a storage hit of a
-        request alone took 79.3 ms against 90.3 ms "ask again" (H200, 24 prompts each, BENCHMARKS
-        seventeenth session). A memory hit alone keeps the synchronous load (no reads to overlap,
-        and one engine step less), as does a load shorter than a chunk (the tail after vLLM's own
-        prefix-cache hit, the commonest: async, it cost such a request 30 ms on the H200, and its
-        copy is a fraction of a millisecond)."""
+        request alone took 79.3 ms against 90.3 ms "ask again" (H200, 24 prompts each). A memory
+        hit alone keeps the synchronous load (no reads to overlap, and one engine step less), as
+        does a load shorter than a chunk (the tail after vLLM's own prefix-cache hit, the
+        commonest: async, it cost such a request 30 ms on the H200, and its copy is a fraction of
+        a millisecond)."""
         mode = self.config.async_load
         if mode == "auto":
             return self.gpu and tokens >= self.chunk_size and (slow or self._busy())
