@@ -37,8 +37,11 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+
+from hpkv.engine.reads import Promotion
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,23 @@ class LoadCosts:
         """``nbytes`` (every rank's) came from ``source`` in ``seconds``, reads started to last check."""
         with self._lock:
             self._reads.setdefault(source, Rate(SAMPLE_TTL_S)).add(nbytes, seconds)
+
+    def promoted(self, promotions: Iterable[Future[bool]], sources: Mapping[bytes, str]) -> None:
+        """A load's promotions are in: per source (``sources``: chunk key -> source) one read sample,
+        its chunks' bytes over the span from its first read's start to its last chunk's check.
+        Promotions that failed, or are not :class:`Promotion` s, are left out."""
+        spans: dict[str, list[float]] = {}  # source -> [chunks, first began, last settled]
+        for f in promotions:
+            if not isinstance(f, Promotion) or not f.done() or not f.settled or not f.result():
+                continue
+            src = sources.get(f.lk)
+            if src is None:
+                continue
+            got = spans.setdefault(src, [0, f.began, f.settled])
+            got[0] += 1
+            got[1], got[2] = min(got[1], f.began), max(got[2], f.settled)
+        for src, (n, began, settled) in spans.items():
+            self.read(src, int(n) * self.chunk_bytes, settled - began)
 
     def wrote(self, tier: str, nbytes: int, seconds: float) -> None:
         """One writer put ``nbytes`` into ``tier`` in ``seconds`` (the write-behind's timing)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +19,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, Catalog
 from hpkv.engine.costs import RateMemo
-from hpkv.engine.reads import Promotion, staged_line
+from hpkv.engine.reads import staged_line
 from hpkv.integrations.vllm.arrival import ArrivalCheck
 from hpkv.integrations.vllm.async_parts import next_part
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
@@ -28,6 +27,7 @@ from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest, S
 from hpkv.integrations.vllm.poolfull import PoolFullLog
 from hpkv.integrations.vllm.reqstate import Op, ReqState
 from hpkv.integrations.vllm.statsfile import Refresher, StatsFile
+from hpkv.integrations.vllm.stepclock import StepClock
 from hpkv.integrations.vllm.steptrace import StepTrace
 
 if TYPE_CHECKING:
@@ -119,9 +119,7 @@ class HpkvScheduler:
             f"{namespace.logical_digest.hex()}|{device or ('gpu' if gpu else 'cpu')}",
         )
         self.costs.seed(self._memo.load())
-        # Steps scheduled and not yet reported: (when, tokens, computes), oldest first.
-        self._steps_out: deque[tuple[float, int, bool]] = deque(maxlen=8)
-        self._last_report = 0.0
+        self._clock = StepClock()  # each computing step's time: the prefill rate's samples
         self._pool_full = PoolFullLog(config, self.catalog, POOL_FULL_LOG_S)
         self.trace = StepTrace(config.step_trace)
         self.stats_file = StatsFile.for_pool_dir(config.share_mem_file_path, namespace.model_id)
@@ -344,20 +342,8 @@ class HpkvScheduler:
         return plan.load
 
     def _measure_reads(self, st: ReqState, futures: list[Future[bool]]) -> None:
-        """The read rate each source of this load showed: its chunks' bytes (every rank's) over the
-        span from its first read's start to its last chunk's check."""
-        spans: dict[str, list[float]] = {}  # source -> [chunks, first began, last settled]
-        for f in futures:
-            if not isinstance(f, Promotion) or not f.done() or not f.settled or not f.result():
-                continue
-            src = st.sources.get(f.lk)
-            if src is None:
-                continue
-            got = spans.setdefault(src, [0, f.began, f.settled])
-            got[0] += 1
-            got[1], got[2] = min(got[1], f.began), max(got[2], f.settled)
-        for src, (n, began, settled) in spans.items():
-            self.costs.read(src, int(n) * self.catalog.payload_bytes * self.world_size, settled - began)
+        """The read rate each source of this load showed (see LoadCosts.promoted), kept."""
+        self.costs.promoted(futures, st.sources)
         self._memo.save(self.costs.export())
 
     def _end_async(self, st: ReqState) -> None:
@@ -395,7 +381,7 @@ class HpkvScheduler:
         computes = so.total_num_scheduled_tokens > 0
         meta = HpkvMeta(self.catalog.pool_paths, self.config.mem_pool_size, computes=computes)
         self.catalog.step_scheduled(computes)
-        self._steps_out.append((time.monotonic(), so.total_num_scheduled_tokens, computes))
+        self._clock.sent(so.total_num_scheduled_tokens, computes)
         if not computes and not self.catalog.engine_busy_now:
             self._idle_wait()  # not with a computing step in flight: its output waits on this thread
         for new in so.scheduled_new_reqs:
@@ -558,19 +544,11 @@ class HpkvScheduler:
         self.stats_file.write(self.stats)
 
     def _step_reported(self, computed: bool | None) -> None:
-        """A step's output is back (the oldest step of its kind, as Cascade.step_done matches them):
-        a computing one measures the engine's prefill rate, from when it could start (scheduled, and
-        the step before it reported: with async scheduling the next step is scheduled early) to now."""
-        now = time.monotonic()
-        i = next((k for k, s in enumerate(self._steps_out) if computed is None or s[2] == computed), None)
-        if i is None:
-            return
-        sent, tokens, computes = self._steps_out[i]
-        del self._steps_out[i]
-        if computes:
-            self.costs.computed(tokens, now - max(sent, self._last_report))
+        """A step's output is back: a computing one is a sample of the engine's prefill rate."""
+        took = self._clock.reported(computed)
+        if took is not None:
+            self.costs.computed(*took)
             self._memo.save(self.costs.export())
-        self._last_report = now
 
     def has_pending_ops(self) -> bool:
         """Loads or stores the workers have not reported yet (the engine keeps stepping for them).
