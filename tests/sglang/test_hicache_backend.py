@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from hpkv.integrations.sglang import rig as h
 from hpkv.integrations.sglang.backend import page_key
+from tests.sglang import rig as h
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

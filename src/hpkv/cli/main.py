@@ -6,8 +6,12 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from hpkv.bench.demo_model import SIZES
+
+if TYPE_CHECKING:
+    from hpkv.core.config import HpkvConfig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,8 +53,10 @@ def _main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("clear", help="delete every chunk in a storage directory")
     c.add_argument("--storage", default=None, help="storage directory (default: HPKV_KV_STORAGE_PATH)")
 
-    b = sub.add_parser("bench", help="benchmarks: tiers, valkey, l2, ttft, cold, itl, sglang, serve")
-    b.add_argument("which", choices=["tiers", "valkey", "l2", "ttft", "cold", "itl", "sglang", "serve"])
+    b = sub.add_parser(
+        "bench", help="benchmarks: ttft (the seed's table), serve (under load), cold, l2, valkey"
+    )
+    b.add_argument("which", choices=["ttft", "serve", "cold", "l2", "valkey"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
 
     v = sub.add_parser("valkey", help="run real valkey-server processes on loopback (for trying hpkv)")
@@ -78,7 +84,7 @@ def _main(argv: list[str] | None = None) -> int:
     if a.cmd == "tenant-prefix":
         from hpkv.core.keys import tenant_tag
 
-        salt = a.salt if a.salt is not None else os.environ.get("HPKV_SALT", "")
+        salt = a.salt if a.salt is not None else _config().salt
         tag = tenant_tag(salt, a.cache_salt)
         print(f"hpkv:{tag}:")
         print(
@@ -108,10 +114,6 @@ def _main(argv: list[str] | None = None) -> int:
     if a.cmd == "valkey":
         return _valkey_start(a.cluster, a.port, a.dir, a.maxmemory)
     if a.cmd == "bench":
-        if a.which == "tiers":
-            from hpkv.bench.tiers import main as tiers_main
-
-            return tiers_main(a.rest)
         if a.which == "valkey":
             from hpkv.bench.valkey_tier import main as valkey_main
 
@@ -124,35 +126,28 @@ def _main(argv: list[str] | None = None) -> int:
             from hpkv.bench.cold import main as cold_main
 
             return cold_main(a.rest)
-        if a.which == "itl":
-            from hpkv.bench.itl import main as itl_main
-
-            return itl_main(a.rest)
         if a.which == "serve":
             from hpkv.bench.serve import main as serve_bench_main
 
             return serve_bench_main(a.rest)
-        if a.which == "sglang":
-            import importlib.util
-
-            if importlib.util.find_spec("sglang") is None:
-                print("hpkv bench sglang needs SGLang: run `make bench-sglang` (it builds .venv-sglang)")
-                return 2
-            from hpkv.bench.sglang import main as sglang_main
-
-            return sglang_main(a.rest)
         from hpkv.bench.ttft import main as ttft_main
 
         return ttft_main(a.rest)
     return 2  # pragma: no cover
 
 
-def _stats(directory: str | None, as_json: bool) -> int:
-    import os
+def _config() -> HpkvConfig:
+    """The settings as the engines read them (``HPKV_*``, ``HPKV_CONFIG_FILE``); a bad one is an
+    error that names it (see :func:`main`)."""
+    from hpkv.core.config import HpkvConfig
 
+    return HpkvConfig.from_env()
+
+
+def _stats(directory: str | None, as_json: bool) -> int:
     from hpkv.integrations.vllm.statsfile import read_all
 
-    path = directory or os.environ.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv")
+    path = directory or _config().share_mem_file_path
     docs = read_all(path)
     if as_json:
         print(json.dumps(docs, indent=1))
@@ -205,11 +200,10 @@ def _valkey_start(cluster: int, port: int | None, directory: str | None, maxmemo
 
 
 def _clear(storage: str | None) -> int:
-    import os
 
     from hpkv.tiers.disk.tier import FORMAT_DIR
 
-    path = storage or os.environ.get("HPKV_KV_STORAGE_PATH")
+    path = storage or _config().resolved_storage_path
     if not path:
         print("hpkv clear: give --storage DIR or set HPKV_KV_STORAGE_PATH", file=sys.stderr)
         return 2

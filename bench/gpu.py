@@ -1,6 +1,6 @@
 """The CUDA mover against raw copies measured in the same run (run on a machine with a GPU).
 
-    python -m hpkv.bench.gpu [--tokens 8192] [--repeat 10]
+    python -m bench.gpu [--tokens 8192] [--repeat 10]
 
 A 7B-shaped KV (28 layers, 4 KV heads x 128, bf16: 448 MiB per 8192 tokens) in a
 shared-memory pool registered with CUDA, and vLLM-style paged GPU KV
@@ -49,12 +49,12 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hpkv bench gpu", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--repeat", type=int, default=10)
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("hpkv bench gpu needs a CUDA GPU")
+        print("bench.gpu needs a CUDA GPU")
         return 2
     dev = torch.device("cuda")
     n_chunks = a.tokens // CHUNK

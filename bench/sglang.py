@@ -1,4 +1,4 @@
-"""hpkv bench sglang: hpkv under SGLang's HiCacheController next to SGLang's own ``file`` backend.
+"""``python -m bench.sglang``: hpkv under SGLang's HiCacheController next to SGLang's own ``file`` backend.
 
 Both backends are built by SGLang's factory from the flags a user passes and driven by SGLang's
 controller threads (backup: ``write_storage``; prefetch: ``batch_exists`` then the page reads into
@@ -10,7 +10,7 @@ write into the same directory. The reference, measured in the same rounds: a raw
 files of the same pages, 4 threads (hpkv's storage I/O threads), buffered from the page cache and
 with O_DIRECT after dropping it.
 
-Run it in the SGLang environment: ``make bench-sglang`` (``.venv-sglang/bin/python -m hpkv.bench.sglang``).
+Run it in the SGLang environment: ``make bench-sglang`` (``.venv-sglang/bin/python -m bench.sglang``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ OPS = ("backup", "prefetch (page cache)", "prefetch (dropped)")
 
 
 def _extra(system: str, directory: str, shm: str) -> tuple[str, dict[str, Any]]:
-    from hpkv.integrations.sglang import rig
+    from tests.sglang import rig
 
     if system == "hpkv":
         return "dynamic", rig.hpkv_extra({"kv_storage_path": directory, "share_mem_file_path": shm})
@@ -40,7 +40,7 @@ def _extra(system: str, directory: str, shm: str) -> tuple[str, dict[str, Any]]:
 
 
 def one_round(args: argparse.Namespace, system: str, seed: int, shm: str) -> dict[str, float]:
-    from hpkv.integrations.sglang import rig
+    from tests.sglang import rig
 
     backend, extra = _extra(system, args.dir, shm)
     kw: dict[str, Any] = {
@@ -84,7 +84,7 @@ def one_round(args: argparse.Namespace, system: str, seed: int, shm: str) -> dic
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="hpkv bench sglang", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.sglang", description=__doc__)
     ap.add_argument("--pages", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=64, help="SGLang's --page-size (tokens)")
     ap.add_argument("--layers", type=int, default=28)
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     print(
-        f"\nhpkv bench sglang: {args.pages} pages x {args.page_size} tokens, "
+        f"\nbench.sglang: {args.pages} pages x {args.page_size} tokens, "
         f"{page_bytes / 2**20:.2f} MiB per page ({args.layers} layers, {args.heads} KV heads x {args.dim}, "
         f"bf16), {args.rounds} rounds, interleaved; storage {args.dir}"
     )

@@ -1,4 +1,4 @@
-"""``hpkv bench itl``: does a running decode slow down while another request loads from a slow tier?
+"""``python -m bench.itl``: does a running decode slow down while another request loads from a slow tier?
 
 One vLLM server with hpkv (memory + storage + an embedded valkey-server). A decoding request D (a
 short prompt, ``--decode-tokens`` tokens, streamed) runs alone, then again while a second request P
@@ -183,7 +183,7 @@ def run_case(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="hpkv bench itl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.itl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", default=None, help="model directory (default: build the demo model)")
     ap.add_argument("--tokens", type=int, default=8192, help="tokens of the loading request")
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = args.tokens // CHUNK
     print()
     print(
-        f"hpkv bench itl: decode of {args.decode_tokens} tokens, a {args.tokens}-token request arriving "
+        f"bench.itl: decode of {args.decode_tokens} tokens, a {args.tokens}-token request arriving "
         f"after {after}; {args.repeat} runs per case; medians over runs (each run: D's gaps while P "
         "was in flight)"
     )

@@ -1,4 +1,4 @@
-"""Importing SGLang's HiCache code on a CPU-only machine (tests, ``hpkv bench sglang``).
+"""Importing SGLang's HiCache code on a CPU-only machine (tests, ``python -m bench.sglang``).
 
 SGLang's config package imports torchvision for multimodal preprocessing; no torchvision build
 matches the CPU torch here (PyPI's wheels fail at import: "operator torchvision::nms does not

@@ -1,4 +1,4 @@
-"""SGLang's HiCache pieces on CPU, for hpkv's tests and ``hpkv bench sglang``: a device KV pool, its
+"""SGLang's HiCache pieces on CPU, for hpkv's tests and ``python -m bench.sglang``: a device KV pool, its
 allocator, a host pool and SGLang's real HiCacheController with a storage backend built by SGLang's
 factory, plus the scheduler-side steps a caller plays (handing a storage hit its host buffers;
 collecting the acks). No SGLang server runs on these CPUs; its controller and pools do."""
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hpkv.integrations.sglang.cpu import install_torchvision_placeholder
+from tests.sglang.cpu import install_torchvision_placeholder
 
 install_torchvision_placeholder()
 

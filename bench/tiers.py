@@ -1,6 +1,6 @@
 """Tier throughput against references measured in the same run.
 
-    python -m hpkv.bench.tiers [--chunks 64] [--repeat 5] [--storage-dir DIR]
+    python -m bench.tiers [--chunks 64] [--repeat 5] [--storage-dir DIR]
 
 Chunks of 4 MiB (8 layers × 2 × 256 tokens × 4 KV heads × 128 × bf16):
 
@@ -80,7 +80,9 @@ def touched_buffers(count: int, size: int) -> list[memoryview]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="hpkv bench tiers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m bench.tiers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--chunks", type=int, default=64, help="chunks per prompt (default 64 = 256 MiB)")
     ap.add_argument("--repeat", type=int, default=5)
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     gb = total / 1e9
     rows: list[tuple[str, float, float, str]] = []
     print(
-        f"hpkv bench tiers: {n} chunks × {format_size(payload)} = {format_size(total)}, "
+        f"bench.tiers: {n} chunks × {format_size(payload)} = {format_size(total)}, "
         f"repeat {args.repeat}, {os.cpu_count()} CPUs, torch threads 1, storage threads {args.threads}"
     )
 
