@@ -1,6 +1,5 @@
-# The load levels on the H200: hpkv next to hpkv-ioproc (HPKV_IO_PROCESS=true: storage reads in a helper
-# process) and vLLM alone, the fifteenth session's workload. LOAD_LEVELS (default 16), LOAD_COMPARE (default
-# hpkv,hpkv-ioproc,none; also hpkv-sync (HPKV_ASYNC_LOAD=false), hpkv-busy1 (HPKV_BUSY_IO_THREADS=1), native),
+# The load levels on the H200: hpkv next to vLLM alone. LOAD_LEVELS (default 16), LOAD_COMPARE (default
+# hpkv,none; also hpkv-sync (HPKV_ASYNC_LOAD=false), native),
 # LOAD_TIMEOUT (default 560 s: ~80 s per system and level at 16),
 # LOAD_TURNS (default 3), LOAD_REPEAT (default 1), LOAD_NAME (default serve: names the outputs, for two runs
 # in one call). HPKV_STEP_TRACE=$OUT/trace in the caller's environment traces each hpkv server's steps
@@ -8,10 +7,9 @@
 . scripts/gpu/env.sh
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model /root/m7b \
-  --compare ${LOAD_COMPARE:-hpkv,hpkv-ioproc,none} --users 16 --context 8192 --turns ${LOAD_TURNS:-3} \
+  --compare ${LOAD_COMPARE:-hpkv,none} --users 16 --context 8192 --turns ${LOAD_TURNS:-3} \
   --repeat ${LOAD_REPEAT:-1} \
   --concurrency ${LOAD_LEVELS:-16} --engine-blocks 1000 --pool-size 4G --vllm-args="--enforce-eager" \
   --out $OUT/${LOAD_NAME:-serve} > $OUT/${LOAD_NAME:-serve}.log 2>&1
 echo "rc=$?"; tail -${LOAD_TAIL:-16} $OUT/${LOAD_NAME:-serve}.log
 grep -c "Retrieved.*async" $OUT/${LOAD_NAME:-serve}/vllm-*.log  # hits loaded asynchronously, per system
-grep -c "staged .*I/O process" $OUT/${LOAD_NAME:-serve}/vllm-*.log  # hits staged by the helper process, per system

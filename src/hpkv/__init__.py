@@ -2,8 +2,8 @@
 
 >>> from hpkv import HpkvConfig, KVLayout, KVStore
 
-The names are imported when first used, so that a process needing only ``hpkv.core`` (the I/O
-process, :mod:`hpkv.engine.ioproc`) starts without torch.
+The names are imported when first used, so that a process needing only ``hpkv.core`` (the CLI's
+``hpkv stats``, vLLM's plugin registration) starts without torch.
 """
 
 from __future__ import annotations

@@ -41,9 +41,6 @@ def test_storage_rows() -> None:
     assert not ok and "8 read from the page cache" in proof  # the cold row must not hit the page cache
     assert verify_hpkv("storage-cold", hp(storage_hits=8, memory_promotions=8, memory_hits=8), E)[0]
     assert not verify_hpkv("storage", hp(storage_hits=7, memory_promotions=7, memory_hits=8), E)[0]
-    # hpkv-ioproc: the row says how many of its records the I/O process read
-    ok, proof = verify_hpkv("storage", hp(storage_hits=8, memory_promotions=8, io_process_reads=8), E)
-    assert ok and proof.endswith(", 8 read by the I/O process")
 
 
 def test_mixed_needs_both_tiers() -> None:
@@ -147,10 +144,8 @@ def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
 
     assert "hpkv-layerwise" in SYSTEMS
     assert set(VARIANT_ENV) <= set(SYSTEMS)
-    assert {"hpkv-sync", "hpkv-async", "hpkv-busy1", "hpkv-ioproc"} <= set(SERVE_SYSTEMS)
+    assert {"hpkv-sync", "hpkv-async"} <= set(SERVE_SYSTEMS)
     assert VARIANT_ENV["hpkv-sync"] == {"HPKV_ASYNC_LOAD": "false"}  # the load mode before "auto"
-    assert VARIANT_ENV["hpkv-busy1"] == {"HPKV_BUSY_IO_THREADS": "1"}
-    assert VARIANT_ENV["hpkv-ioproc"] == {"HPKV_IO_PROCESS": "true"}
     args = argparse.Namespace(url=None)
     hits = ["prefill", "gpu", "memory", "storage", "valkey"]
     lw = Runner(args, "hpkv-layerwise", None, [], E, [])

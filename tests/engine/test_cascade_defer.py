@@ -31,7 +31,7 @@ def test_writes_wait_while_the_engine_computes(shm_dir: str, storage_dir: str) -
     try:
         cat.step_scheduled(True)
         lk = cat.keys(list(range(CHUNK)))[0]
-        assert cat.commit(lk, store(cat, lk))
+        assert cat.finish_store(lk, store(cat, lk), True)
         time.sleep(0.3)
         assert not cat.in_storage(lk)  # held back: a step is running
         cat.step_done()
@@ -55,7 +55,7 @@ def test_a_busy_engine_still_gets_each_chunk_written_within_the_pace_bound(
         cat.step_scheduled(True)  # and never done
         lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(4)]
         for lk in lks:
-            assert cat.commit(lk, store(cat, lk))
+            assert cat.finish_store(lk, store(cat, lk), True)
             time.sleep(0.2)
         deadline = time.monotonic() + 5
         while cat.write_behind()["written"] < len(lks) and time.monotonic() < deadline:
@@ -75,7 +75,7 @@ def test_close_writes_what_is_queued_within_its_limit(shm_dir: str, storage_dir:
     cat.step_scheduled(True)
     lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(6)]
     for lk in lks:
-        assert cat.commit(lk, store(cat, lk))
+        assert cat.finish_store(lk, store(cat, lk), True)
     t0 = time.monotonic()
     cat.close(limit=4.0)
     assert time.monotonic() - t0 < CASCADE_PACE_S  # no pacing once stopping
@@ -92,7 +92,7 @@ def test_a_half_full_queue_or_a_flush_writes_anyway(shm_dir: str, storage_dir: s
         cat.step_scheduled(True)  # and it stays busy: sustained load
         lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(3)]
         for lk in lks:
-            assert cat.commit(lk, store(cat, lk))
+            assert cat.finish_store(lk, store(cat, lk), True)
         time.sleep(0.3)
         assert sum(cat.in_storage(lk) for lk in lks) >= 1  # the backlog reached half the queue
         cat.flush()  # a flush (clear, close, a reset) never waits for idle time
@@ -111,14 +111,14 @@ def test_writes_that_pin_half_the_pool_go_out_under_sustained_load(shm_dir: str,
         lks = [cat.keys(list(range(i, i + CHUNK)))[0] for i in range(3 * cat.num_slots)]
         stored = 0
         for lk in lks:
-            slot = cat.reserve()
+            slot = cat.memory.reserve()
             deadline = time.monotonic() + 0.5  # well below CASCADE_PACE_S
             while slot is None and time.monotonic() < deadline:  # the cascade frees slots meanwhile
                 time.sleep(0.01)
-                slot = cat.reserve()
+                slot = cat.memory.reserve()
             if slot is not None:
-                cat.abort(slot)
-                stored += cat.commit(lk, store(cat, lk))
+                cat.memory.abort(slot)
+                stored += cat.finish_store(lk, store(cat, lk), True)
         assert stored == len(lks)  # every chunk found a slot ...
         cat.flush()
         assert all(cat.in_storage(lk) for lk in lks)  # ... and reached storage, while still busy
@@ -139,7 +139,7 @@ def test_with_async_scheduling_an_answered_step_does_not_make_the_engine_idle(
         lk = cat.keys(list(range(CHUNK)))[0]
         cat.step_scheduled(True)  # step 1: the prompt's first 2048 tokens
         cat.step_scheduled(True)  # step 2, scheduled while step 1 runs
-        assert cat.commit(lk, store(cat, lk))
+        assert cat.finish_store(lk, store(cat, lk), True)
         cat.step_done()  # step 1 answered; step 2 still computes
         cat.step_scheduled(False)  # nothing more to schedule until step 2's token
         time.sleep(0.3)
@@ -163,7 +163,7 @@ def test_steps_never_answered_are_forgotten_past_the_batch_queue(shm_dir: str, s
     try:
         lk = cat.keys(list(range(CHUNK)))[0]
         cat.step_scheduled(True)  # never answered
-        assert cat.commit(lk, store(cat, lk))
+        assert cat.finish_store(lk, store(cat, lk), True)
         for _ in range(STEPS_IN_FLIGHT_MAX):
             cat.step_scheduled(False)  # idle steps, answered below
         for _ in range(STEPS_IN_FLIGHT_MAX - 1):

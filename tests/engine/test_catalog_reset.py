@@ -26,8 +26,8 @@ def catalog(shm_dir: str, storage_dir: str) -> Catalog:
 
 def store(cat: Catalog, lk: bytes) -> int:
     """What the workers do for a store: fill and seal a reserved slot. Returns the slot (not committed)."""
-    slot = cat.reserve()
-    assert slot is not None
+    slot = cat.begin_store(lk)
+    assert isinstance(slot, int)
     off = slot * cat.slot_bytes
     view = cat.pools[0].view[off : off + cat.record_bytes]
     view[record.HEADER_BYTES :] = bytes(cat.payload_bytes)
@@ -41,14 +41,14 @@ def test_a_store_in_flight_at_a_reset_is_not_committed(shm_dir: str, storage_dir
         lk = cat.keys(list(range(CHUNK)))[0]
         slot = store(cat, lk)
         cat.clear((MEMORY,))  # POST /reset_prefix_cache?reset_external=true while the workers copy
-        assert not cat.commit(lk, slot)
+        assert not cat.finish_store(lk, slot, True)
         assert not cat.in_memory(lk)
         cat.flush()
         assert not cat.in_storage(lk)  # nor cascaded
         cat.check()
         assert cat.stats()[MEMORY]["pinned_slots"] == 0
         # After the reset, stores work as before.
-        assert cat.commit(lk, store(cat, lk)) and cat.in_memory(lk)
+        assert cat.finish_store(lk, store(cat, lk), True) and cat.in_memory(lk)
     finally:
         cat.close()
 
@@ -59,7 +59,7 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
     cat = catalog(shm_dir, storage_dir)
     try:
         lk = cat.keys(list(range(CHUNK)))[0]
-        assert cat.commit(lk, store(cat, lk))
+        assert cat.finish_store(lk, store(cat, lk), True)
         cat.flush()
         assert cat.in_storage(lk)
         cat.clear((MEMORY,))

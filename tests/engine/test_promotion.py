@@ -5,7 +5,6 @@ Both ways, whatever this machine has. Real pool, real storage files, a real valk
 from __future__ import annotations
 
 import os
-import threading
 import time
 from concurrent.futures import Future, wait
 from typing import Any
@@ -16,8 +15,10 @@ import torch
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
+from hpkv.engine import local
 from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
-from hpkv.engine.reads import Promotion, staged_line
+from hpkv.engine.promotion import Promotion
+from hpkv.integrations.vllm.logs import staged_line
 from tests.conftest import CHUNK, SMALL
 
 VERIFY = pytest.mark.parametrize("verify_threads", [0, 2], ids=["inline", "verify-threads"])
@@ -37,18 +38,18 @@ def fill(cat: Catalog, lks: list[bytes]) -> list[bytes]:
     def produce(i: int, payload: Any) -> None:
         payload.copy_(torch.frombuffer(bytearray(payloads[i]), dtype=torch.uint8))
 
-    assert cat.store(lks, produce) == len(lks)
+    assert local.store(cat, lks, produce) == len(lks)
     cat.flush()
     return payloads
 
 
 def held_bytes(cat: Catalog, lk: bytes) -> bytes:
-    [slot] = cat.pin([lk])
+    [slot] = cat.memory.pin([lk])
     try:
         off = slot * cat.slot_bytes + record.HEADER_BYTES
         return bytes(cat.pools[0].view[off : off + cat.payload_bytes])
     finally:
-        cat.unpin([slot])
+        cat.memory.unpin([slot])
 
 
 def flip_payload_byte(path: str) -> None:
@@ -138,66 +139,10 @@ def test_a_load_checks_what_it_read_and_cuts_at_a_corrupt_chunk(
         def consume(i: int, payload: torch.Tensor) -> None:
             got[i] = payload.numpy().tobytes()
 
-        assert cat.load(lks, consume) == 2
+        assert local.load(cat, lks, consume) == 2
         assert got[0] == payloads[0] and got[1] == payloads[1] and 2 not in got
         assert cat.locate_local(lks[:2]) == [MEMORY, MEMORY]
         assert cat.stats()[MEMORY]["pinned_slots"] == 0
         cat.check()
-    finally:
-        cat.close()
-
-
-def test_while_the_engine_computes_at_most_busy_io_threads_promotions_read_at_once(
-    shm_dir: str, storage_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``HPKV_BUSY_IO_THREADS=1``: while a computing step is out, one promotion reads at a time and
-    checks its own read (no verify thread); once the engine is idle, the waiting ones read on every
-    I/O thread again. The bytes are the stored ones either way."""
-    cat = catalog(shm_dir, storage_dir, 2, storage_io_threads=4, busy_io_threads=1)
-    try:
-        lks = cat.keys(list(range(100_000, 100_000 + 8 * CHUNK)))
-        payloads = fill(cat, lks)
-        cat.clear((MEMORY,))
-        tier = cat.storage[0]
-        real = tier.fetch_into
-        reading: list[int] = []
-        most = [0]
-        checked_on: list[str] = []
-
-        def fetch(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
-            reading.append(1)
-            most[0] = max(most[0], len(reading))
-            time.sleep(0.03)
-            reading.pop()
-            check = real(key, buf, tenant)
-            if check is None:
-                return None
-
-            def traced() -> bool:
-                checked_on.append(threading.current_thread().name)
-                return bool(check())
-
-            return traced
-
-        monkeypatch.setattr(tier, "fetch_into", fetch)
-        cat.step_scheduled(True)  # a computing step is out
-        assert cat.engine_busy_now
-        futures = cat.stage(lks[:4])
-        wait(futures, timeout=10)
-        assert [f.result() for f in futures] == [True] * 4
-        assert most[0] == 1, "more than one promotion read while the engine computed"
-        assert all(name.startswith("hpkv-io") for name in checked_on)
-        # Busy again: the next four wait their turn; the step's report sets them all reading.
-        most[0] = 0
-        checked_on.clear()
-        futures = cat.stage(lks[4:])
-        time.sleep(0.01)
-        cat.step_done(True)
-        assert not cat.engine_busy_now
-        wait(futures, timeout=10)
-        assert [f.result() for f in futures] == [True] * 4
-        assert most[0] >= 2, "promotions stayed one at a time after the engine went idle"
-        assert any(name.startswith("hpkv-verify") for name in checked_on)
-        assert [held_bytes(cat, lk) for lk in lks] == payloads
     finally:
         cat.close()

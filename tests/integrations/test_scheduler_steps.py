@@ -352,7 +352,7 @@ def test_a_hit_waits_for_room_that_other_requests_hold_instead_of_coming_out_sho
 def test_a_hit_waits_for_room_only_so_long_then_comes_out_short(
     make_sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("hpkv.integrations.vllm.scheduler.ROOM_WAIT_S", 0.3)
+    monkeypatch.setattr("hpkv.engine.catalog.ROOM_WAIT_S", 0.3)
     sim = with_slots(make_sim, 8, storage_io_threads=1)
     mine = prompt(4, seed=23)
     assert sim.cold("a", mine) == 4
@@ -500,7 +500,7 @@ def test_a_miss_on_valkey_is_one_existence_check_and_reserves_nothing(
     after = sim.cat.stats()[MEMORY]
     assert after["promotions"] == before["promotions"] == 0
     assert after["evictions"] == before["evictions"] and after["writes_skipped"] == before["writes_skipped"]
-    assert not sim.cat._reads.pending()  # no promotion was even started for a prompt no tier holds
+    assert not sim.cat._promoter.pending()  # no promotion was even started for a prompt no tier holds
     assert valkey_server.keyspace_misses() - misses0 == 8  # one EXISTS per chunk, in one batch
     assert valkey_server.keyspace_hits() == hits0
     sim.s.request_finished(req)
@@ -542,7 +542,7 @@ def test_a_request_that_waited_in_the_queue_is_answered_at_its_first_lookup(
         sim.s.on_new_request(req)
     assert sent == [8, 4]  # every chunk the local tiers lack, asked at arrival
     for req in (miss, hit):  # while the requests wait in vLLM's queue
-        sim.s._reqs[req.request_id].arrival.answer.result(5)
+        sim.s._reqs[req.request_id].lookup.ahead.answer.result(5)
     misses0 = valkey_server.keyspace_misses()
     assert sim.s.get_num_new_matched_tokens(miss, 0) == (0, False)
     assert sim.s.get_num_new_matched_tokens(hit, 0) == (4 * CHUNK, True)
@@ -556,32 +556,32 @@ def test_an_arrival_answer_that_is_old_or_misses_a_chunk_is_asked_again(
     make_sim: Any, valkey_server: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another engine may store the chunks after the arrival's check, and a chunk may leave the
-    local tiers meanwhile: an answer older than arrival.FRESH_S, or one that did not cover a
+    local tiers meanwhile: an answer older than AHEAD_FRESH_S, or one that did not cover a
     chunk the lookup now lacks, is not used; the lookup asks again."""
-    from hpkv.integrations.vllm import arrival
+    from hpkv.engine import lookup as arrival
 
     sim = make_sim(
         storage_path=None, remote_url=valkey_server.url, request_timeout=2.0, connection_timeout=2.0
     )
     sent = spy_probes(sim, monkeypatch)
-    monkeypatch.setattr(arrival, "FRESH_S", 0.0)
+    monkeypatch.setattr(arrival, "AHEAD_FRESH_S", 0.0)
     sim.running()  # so the lookups answer "ask again" rather than wait (see the test after this one)
     old = sim.request("old", prompt(2, seed=33))
     sim.s.on_new_request(old)
-    sim.s._reqs["old"].arrival.answer.result(5)
+    sim.s._reqs["old"].lookup.ahead.answer.result(5)
     time.sleep(0.01)
     assert sim.lookup(old) is None  # asked again
     assert sim.lookup_settled(old) == 0 and sent == [2, 2]
     assert sim.counters()["remote_checks_at_arrival"] == 0
     sim.s.request_finished(old)
 
-    monkeypatch.setattr(arrival, "FRESH_S", 2.0)
+    monkeypatch.setattr(arrival, "AHEAD_FRESH_S", 2.0)
     tokens = prompt(2, seed=34)
     assert sim.cold("stored", tokens) == 2  # in memory, and in valkey once flushed
     del sent[:]
     left = sim.request("left", tokens)
     sim.s.on_new_request(left)
-    assert sim.s._reqs["left"].arrival is None and sent == []  # memory held every chunk
+    assert sim.s._reqs["left"].lookup.ahead is None and sent == []  # memory held every chunk
     sim.s.reset_cache()  # they leave memory before the lookup
     assert sim.lookup(left) is None and sent == [2]
     assert sim.lookup_settled(left) == 2 * CHUNK  # found in valkey, promoted
@@ -744,13 +744,13 @@ def test_async_a_request_aborted_mid_load_keeps_its_blocks_until_the_workers_rep
     assert last.last and last.chunks == [] and last.failed_blocks == []
     gate.release.set()
     for _ in range(50):  # the held reads finish into memory, unpinned and unprotected
-        if not sim.cat._reads.pending():
+        if not sim.cat._promoter.pending():
             break
         time.sleep(0.1)
     assert sim.pinned() == 1  # the copy in flight
     sim.report({first.op_id: (1, 0)})  # the workers report it received: vLLM frees the blocks
     assert sim.pinned() == 0 and not sim.s.has_pending_ops()
-    assert sim.cat._protected == {}
+    assert sim.cat.memory._protected == {}
     sim.cat.check()
 
 

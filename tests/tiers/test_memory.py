@@ -92,11 +92,13 @@ def test_full_of_pinned_slots_skips_the_write(make_store: Any) -> None:
     chunks = [chunk(i) for i in range(3)]
     for toks, kv in chunks[:2]:
         st.put(toks, kv)
-    slots = st.engine.pin([st.keys(chunks[0][0])[0]]) + st.engine.pin([st.keys(chunks[1][0])[0]])
+    slots = st.engine.memory.pin([st.keys(chunks[0][0])[0]]) + st.engine.memory.pin(
+        [st.keys(chunks[1][0])[0]]
+    )
     assert len(slots) == 2  # both being read
     assert st.put(*chunks[2]) == 0  # no room, no waiting
     assert st.stats()["memory"]["writes_skipped"] == 1
-    st.engine.unpin(slots)
+    st.engine.memory.unpin(slots)
     assert st.put(*chunks[2]) == CHUNK
     st.check()
 
@@ -105,8 +107,8 @@ def test_corrupt_header_in_slot_is_a_miss(make_store: Any) -> None:
     st = slots_store(make_store, 2)
     toks, kv = chunk(7)
     st.put(toks, kv)
-    [slot] = st.engine.pin(st.keys(toks))
-    st.engine.unpin([slot])
+    [slot] = st.engine.memory.pin(st.keys(toks))
+    st.engine.memory.unpin([slot])
     st.pool.view[slot * st.engine.slot_bytes] ^= 0xFF  # someone scribbled on the shared file
     assert st.get(toks).shape[2] == 0
     assert st.stats()["memory"]["corrupt"] == 1
@@ -170,8 +172,8 @@ def test_payload_views_share_the_mapping(make_store: Any) -> None:
         payload.copy_(torch.arange(payload.numel(), dtype=torch.int64).to(torch.uint8))
 
     assert st.store_chunks(st.keys(toks), produce) == 1
-    [slot] = st.engine.pin(st.keys(toks))
-    st.engine.unpin([slot])
+    [slot] = st.engine.memory.pin(st.keys(toks))
+    st.engine.memory.unpin([slot])
     with open(st.pool.path, "rb") as f:  # written through the payload view, seen in the file
         f.seek(slot * st.engine.slot_bytes + record.HEADER_BYTES)
         assert f.read(16) == bytes(range(16))

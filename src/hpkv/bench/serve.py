@@ -36,7 +36,7 @@ from typing import Any
 from hpkv.bench.server import Server, ServerError
 
 # hpkv-*: hpkv with settings of its own (see ttft.VARIANT_ENV)
-SYSTEMS = ("hpkv", "hpkv-sync", "hpkv-async", "hpkv-busy1", "hpkv-ioproc", "none", "lmcache", "native")
+SYSTEMS = ("hpkv", "hpkv-sync", "hpkv-async", "none", "lmcache", "native")
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,6 @@ LOAD_LINE = re.compile(r"hpkv: Retrieved (\d+) out of .*? throughput: ([\d.]+) G
 # benches' references read the same variables, so a reference and the engine use one thread count.
 TUNING_ENV = (
     "HPKV_STORAGE_IO_THREADS",
-    "HPKV_BUSY_IO_THREADS",
-    "HPKV_IO_PROCESS",
     "HPKV_VALKEY_NUM_WORKERS",
     "HPKV_STORAGE_O_DIRECT",
     "HPKV_STORAGE_DIRECT_WRITES",

@@ -173,19 +173,15 @@ NEEDS_LOCAL = {
     "storage-cold": "needs the storage files on this machine",
     "valkey": "needs an engine restart",
 }
-VARIANTS = ("hpkv-layerwise", "hpkv-async", "hpkv-sync", "hpkv-busy1", "hpkv-ioproc")
+VARIANTS = ("hpkv-layerwise", "hpkv-async", "hpkv-sync")
 SYSTEMS = ("hpkv", *VARIANTS, "none", "native", "lmcache")
 # hpkv-layerwise: hpkv with HPKV_LAYERWISE_LOAD=true (on CUDA each layer is loaded, then attended to);
 # hpkv-async: HPKV_ASYNC_LOAD=true (vLLM's async load: each chunk sent to the engine as it reaches memory);
-# hpkv-sync: HPKV_ASYNC_LOAD=false (every hit loaded inside the step that admits it, as before "auto");
-# hpkv-busy1: HPKV_BUSY_IO_THREADS=1 (one promotion reads at a time while the engine computes)
-# hpkv-ioproc: HPKV_IO_PROCESS=true (storage hits read and checked in a helper process)
+# hpkv-sync: HPKV_ASYNC_LOAD=false (every hit loaded inside the step that admits it);
 VARIANT_ENV = {
     "hpkv-layerwise": {"HPKV_LAYERWISE_LOAD": "true"},
     "hpkv-async": {"HPKV_ASYNC_LOAD": "true"},
     "hpkv-sync": {"HPKV_ASYNC_LOAD": "false"},
-    "hpkv-busy1": {"HPKV_BUSY_IO_THREADS": "1"},
-    "hpkv-ioproc": {"HPKV_IO_PROCESS": "true"},
 }
 
 

@@ -58,7 +58,6 @@ HPKV_COUNTERS = {
     "memory_promotions": ("memory", "promotions"),
     "storage_hits": ("storage", "hits"),
     "page_cache_reads": ("storage", "page_cache_reads"),
-    "io_process_reads": ("storage", "io_process_reads"),
     "valkey_hits": ("valkey", "hits"),
     "memory_bytes_read": ("memory", "bytes_read"),
     "left": ("connector", "chunks_left_to_recompute"),
@@ -119,11 +118,10 @@ def verify_hpkv(name: str, d: dict[str, int], e: Expect) -> tuple[bool, str]:
         ok = d["storage_hits"] == loaded * ranks and d["memory_promotions"] == loaded
         if name == "storage-cold":
             ok = ok and cached == 0
-        by_child = d.get("io_process_reads", 0)
         proof = (
             f"storage hits {d['storage_hits']}/{need * ranks} chunks, all staged through memory, "
             f"{cached} read from the page cache"
-        ) + (f", {by_child} read by the I/O process" if by_child else "")
+        )
     elif name == "mixed":
         rest = n * (e.chunks - e.in_memory)
         ok = (

@@ -60,8 +60,6 @@ _SPECS: dict[str, _Spec] = {
     "chunk_size": _Spec("HPKV_CHUNK_SIZE", "256", "int", minimum=1, maximum=1 << 20),
     "salt": _Spec("HPKV_SALT", "tenant-a", "str"),
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
-    "busy_io_threads": _Spec("HPKV_BUSY_IO_THREADS", "1", "int", minimum=0, maximum=256),
-    "io_process": _Spec("HPKV_IO_PROCESS", "true", "bool"),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
@@ -140,16 +138,11 @@ class HpkvConfig:
     salt: str = ""
     # Threads reading and writing storage chunk files in parallel.
     storage_io_threads: int = 4
-    # vLLM: while a step computes, at most this many chunks are read from storage or Valkey at once
-    # (0: no limit). At 1 the H200's p99 TTFT at concurrency 16 nearly doubled (BENCHMARKS).
-    busy_io_threads: int = 0
-    # vLLM: storage hits are read and checked in a helper process with its own GIL (engine/ioproc.py).
-    io_process: bool = False
     # Read chunk files with O_DIRECT where the filesystem allows (falls back to buffered reads).
     storage_o_direct: bool = True
     # Write chunk files with O_DIRECT (their last partial page buffered): no page-cache copy of what
     # the pool already holds, and a fraction of the CPU where the page cache's new pages are
-    # expensive (VMs whose balloon hands freed memory back to the host; scripts/probe_write.py).
+    # expensive (VMs whose balloon hands freed memory back to the host).
     # Later reads of such a file come from the device, not the page cache.
     storage_direct_writes: bool = False
     # Chunks that may wait to be written to storage; beyond it a cascade write is dropped and counted.

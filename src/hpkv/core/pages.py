@@ -1,6 +1,5 @@
 """Reading a shared mapping's pages ahead of use, off the hot path: the engine's mapping of its pool
-(:class:`hpkv.tiers.memory.pool.ShmPool`) and the I/O process's (:mod:`hpkv.engine.ioproc`). Needs no
-torch."""
+(:class:`hpkv.tiers.memory.pool.ShmPool`). Needs no torch."""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ def read_ahead(buf: mmap.mmap, size: int, stop: threading.Event | None = None) -
 
     tmpfs hands out fallocated pages zeroed on their first fault, and every other process that maps
     the file faults each page into its own tables again; in a VM with nested paging that costs up
-    to ~10-17 us per 4 KiB page the first time the VM uses it and ~2 us in a second process
-    (measured here), so the first store into each slot would pay it on the hot path (the engine's
-    step; the I/O process's reads: 32 chunks of 1.5 MiB staged in 22.5 ms there without this, 16.5
-    with it, 14 in the engine). Reading ahead of use moves that cost away; numpy's sum releases the
+    to ~10 us per 4 KiB page the first time the VM uses it and ~2 us in a second process, so the
+    first store into each slot would pay it on the hot path (the engine's step, a promotion's
+    read). Reading ahead of use moves that cost away; numpy's sum releases the
     GIL. At the lowest priority because a 2 GiB pool is 0.5 million faults, seconds of one core on a
     fresh VM, and at the default priority they were taken from the model right after a start (vLLM's
     CPU build)."""

@@ -1,26 +1,32 @@
 """The engine: what is cached where, and every move between tiers, for whichever engine hpkv serves.
 
 One instance per serving process: vLLM's scheduler (all tensor-parallel ranks of the engine), a
-library user's :class:`hpkv.KVStore` (one rank), SGLang's storage backend. It owns one slot index
-for the memory pools of the ranks it serves (slot s holds chunk k in every rank's pool file, each
-rank's own shard under its own record key), the pool files, and one instance per rank of every
-slower tier the configuration names (built through :mod:`hpkv.tiers.base`'s registry, so adding a
-tier touches no code here). Memory is the staging area: a chunk is read from a slower tier into a
-reserved slot, verified on every rank, and only then becomes visible.
+library user's :class:`hpkv.KVStore` (one rank), SGLang's storage backend. It owns the memory pools
+of the ranks it serves (slot s holds chunk k in every rank's pool file, each rank's own shard under
+its own record key) and one instance per rank of every slower tier the configuration names (built
+through :mod:`hpkv.tiers.base`'s registry, so adding a tier touches no code here). It talks to
+those tiers only through the ``Tier`` protocol.
 
-* **lookup**: memory and the local tiers (storage) are asked per key; the remote tiers (valkey)
-  once per lookup, in one pipelined round trip per rank (:meth:`probe_remote` runs it on a thread
-  for callers that must not wait); a hit ends at the first chunk no tier holds;
-* **promote** (a slower tier -> memory): into a reserved slot, verified on every rank; a chunk that
-  fails on any rank is not promoted, so a failure is a shorter hit, never bad data. Chunks a lookup
-  is about to use are protected from eviction until it pins them (the reads, on the catalog's
-  threads, are :mod:`hpkv.engine.reads`);
-* **cascade** (memory -> slower tiers): a new chunk is written from its slot (or, without a memory
-  tier, from a private buffer) to each rank's slower tiers through a bounded queue; when the queue
-  is full the write is dropped and counted, never blocking the caller.
+Both integrations use one interface (nothing else of this class is theirs to call):
 
-Thread-safety: public methods may be called from any thread; the slot index is guarded by one lock
-and no method holds it across I/O.
+* **lookup** — :meth:`Catalog.lookup` answers a :class:`~hpkv.engine.lookup.Lookup` with ``Hit``,
+  ``Pending`` (ask again) or ``Miss``. Memory and the local tiers are asked per key, the remote
+  tiers once per lookup (one pipelined round trip per rank, on a thread); the hit ends at the first
+  chunk no tier holds, and is cut where loading would be slower than recomputing
+  (:mod:`hpkv.engine.costs`). Its chunks below memory are promoted into memory
+  (:mod:`hpkv.engine.promotion`) and are protected from eviction until pinned.
+* **load** — a ``Hit``'s slots are pinned for the caller; :meth:`Catalog.finish_load` releases them
+  and counts the hit. A streamed hit hands out its chunks as each arrives
+  (:meth:`Catalog.arrivals`). :meth:`Catalog.release` ends a lookup in any phase.
+* **store** — :meth:`Catalog.begin_store` reserves a slot (or, with no slot to spare, a private
+  buffer) for a new chunk; the caller fills and seals it on every rank; :meth:`Catalog.finish_store`
+  makes it visible and queues it for the slower tiers (:mod:`hpkv.engine.cascade`).
+
+:mod:`hpkv.engine.local` runs those pairs for a caller that holds the bytes in this process (the
+library, SGLang).
+
+Thread contract: every method may be called from any thread. ``lookup`` never blocks past its
+``wait_until``; the pairs never wait on I/O; ``load`` and ``store`` block for their own reads.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import ALL_COMPLETED, Future, wait
+from typing import Any
 
 import torch
 
@@ -38,13 +46,13 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
-from hpkv.core.stats import TierStats
 from hpkv.engine.cascade import Cascade
 from hpkv.engine.costs import LoadCosts
-from hpkv.engine.reads import Reader
+from hpkv.engine.lookup import Ahead, Answer, Arrivals, Hit, Lookup, Miss, Names, Pending, Phase
+from hpkv.engine.memory import MemorySlots
+from hpkv.engine.promotion import Promoter
 from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
-from hpkv.tiers.memory.slots import SlotIndex
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +60,17 @@ MEMORY = "memory"
 STORAGE = "storage"
 VALKEY = "valkey"
 
-# consume(chunk_index, payload) reads a verified payload (uint8, canonical layout, this rank's);
-# produce(chunk_index, payload) fills one. Both run on hpkv threads and must not keep ``payload``.
-Consume = Callable[[int, torch.Tensor], None]
-Produce = Callable[[int, torch.Tensor], None]
+# How long a lookup's tier I/O may take before it settles for what has arrived.
+GIVE_UP_S = 30.0
+# How long a hit waits for pool slots that others hold before it is promoted as far as room goes
+# (two waiting requests could each hold, protected, resident chunks the other needs room for).
+ROOM_WAIT_S = 2.0
+
+# What begin_store hands out: a reserved pool slot (every rank's), or one rank's private record
+# (no memory tier, or no slot to spare) that the cascade writes to the slower tiers.
+StoreTarget = int | bytearray
+HELD = "held"  # begin_store: memory or a slower tier already holds the chunk, or a store of it runs
+NO_ROOM = "no room"  # begin_store: every slot pinned and no slower tier to write to instead
 
 
 class Catalog:
@@ -91,8 +106,6 @@ class Catalog:
         self.payload_bytes = namespace.layout.chunk_bytes(self.chunk_size)
         self.record_bytes = record.record_bytes(self.payload_bytes)
         self.slot_bytes = slot_bytes(self.record_bytes)
-        self._lock = threading.Lock()
-        self._mem_stats = TierStats()
         self.pools: list[ShmPool] = []
         self.tiers: dict[str, list[Tier]] = {}  # name -> one per rank, fastest first
         self._closers: list[Callable[[], None]] = []
@@ -134,25 +147,26 @@ class Catalog:
                 p.close()
             raise
         self.num_slots = num_slots
-        self._index = SlotIndex(num_slots)
-        # Bumped by a reset of the memory tier: a slot reserved before it is never committed after it,
-        # so no promotion or store in flight at the reset becomes visible.
-        self._epoch = 0
-        self._slot_epoch = [0] * num_slots
-        # Chunks of lookups in progress: no reserve (promotion or store) may evict them before
-        # the lookup pins them, so a long prompt's promotions never evict its own head.
-        self._protected: dict[bytes, int] = {}
+        self.memory = MemorySlots(num_slots)
+        self._storing: set[bytes] = set()  # chunks reserved by begin_store, not yet finished
+        self._storing_lock = threading.Lock()
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
         # Where there are cores to spare, a read record is checked on a verify thread while its
-        # I/O thread fetches the next one: reading and hashing on one thread ran at 0.53-0.62x a
-        # raw read of the same files with the same 4 threads on the H200 host (16 cores), and at
-        # 0.89-0.91x with the hashing on 4 more. On 2 cores the extra threads only contend (0.60x
-        # against 0.66x inline, bench tiers): there the I/O thread checks what it read itself.
+        # I/O thread fetches the next one, so reading and hashing overlap; where there are not, the
+        # extra threads would only contend for the same cores, and each I/O thread checks its own.
         if verify_threads is None:
             cores = len(os.sched_getaffinity(0))
             verify_threads = config.storage_io_threads if cores >= 2 * config.storage_io_threads else 0
-        self._reads = Reader(self, threads, verify_threads, config)
+        self._promoter = Promoter(
+            self.memory,
+            self.pools,
+            self.slot_bytes,
+            self.record_key,
+            self.slow_tiers,
+            threads,
+            verify_threads,
+        )
         self._closed = False
         # What loads cost against recomputing: the write-behind times its writes here, the engine's
         # scheduler its reads and steps (see hpkv.engine.costs).
@@ -165,9 +179,9 @@ class Catalog:
             self.slow_tiers,
             self.record_key,
             self._slot_record,
-            lambda slot: self.unpin([slot]),
+            lambda slot: self.memory.unpin([slot]),
             defer=defer_cascade,
-            pressure=self._slots_scarce,
+            pressure=self.memory.scarce,
             timed=self._timed_write,
         )
 
@@ -177,11 +191,6 @@ class Catalog:
         ts = self.tiers.get(tier)
         if ts and ts[0].remote:
             self.costs.wrote(tier, nbytes, seconds)
-
-    def _slots_scarce(self) -> bool:
-        """Half the pool's slots or more are pinned (queued writes, loads in flight): deferred
-        write-behind must free its slots now (read without the lock: a hint, not a decision)."""
-        return self.num_slots > 0 and self._index.pinned() * 2 >= self.num_slots
 
     # -- tiers ------------------------------------------------------------------------
 
@@ -236,11 +245,10 @@ class Catalog:
     def pool_paths(self) -> list[str]:
         return [p.path for p in self.pools]
 
-    # -- lookups ------------------------------------------------------------------
+    # -- where a chunk is ------------------------------------------------------------
 
     def in_memory(self, lk: bytes) -> bool:
-        with self._lock:
-            return lk in self._index
+        return lk in self.memory
 
     def held_locally(self, lk: bytes, tenant: str = SHARED) -> str | None:
         """The first local tier (no network) that holds every rank's shard of ``lk``, or None."""
@@ -281,243 +289,347 @@ class Catalog:
                     out[j] = name
         return out
 
-    def probe_remote(self, lks: list[bytes], tenant: str = SHARED) -> Future[list[str | None]]:
+    def probe_remote(self, lks: list[bytes], tenant: str = SHARED) -> Future[Names]:
         """:meth:`in_remote_many` on an I/O thread; never blocks. A failure answers "absent"."""
 
-        def run() -> list[str | None]:
+        def run() -> Names:
             try:
                 return self.in_remote_many(lks, tenant)
             except Exception:
                 log.exception("hpkv: remote existence check failed")
                 return [None] * len(lks)
 
-        return self._reads.submit(run)
+        return self._promoter.submit(run)
 
     def locate(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
-        Remote tiers are asked once, for the keys the local ones lack (blocks for that)."""
-        keys = list(lks)
-        out = self.locate_local(keys, tenant)
-        rest = [i for i, w in enumerate(out) if w is None]
-        if rest and self.has_remote:
-            for i, name in zip(rest, self.in_remote_many([keys[i] for i in rest], tenant), strict=True):
-                out[i] = name
+        The first steps of :meth:`lookup` (the remote tiers asked once, for the keys the local ones
+        lack), waited for, with nothing protected, promoted or counted: an existence check."""
+        lk = Lookup(list(lks), tenant)
+        self._find(lk, 0, probe=True)
+        if lk.probe is not None:
+            for i, name in zip(lk.probe_at, lk.probe.result(), strict=True):
+                lk.where[i] = name
+        out = lk.where
         if None in out:
             cut = out.index(None)
             out[cut:] = [None] * (len(out) - cut)
         return out
 
-    # -- promotion (a slower tier -> memory) -------------------------------------------
+    # -- the lookup ---------------------------------------------------------------------
 
-    def stage(self, lks: Iterable[bytes], tenant: str = SHARED, *, defer: bool = False) -> list[Future[bool]]:
-        """Start promoting ``lks`` (those not in memory) into memory; never blocks.
+    def look_ahead(self, lk: Lookup) -> None:
+        """The request was queued: ask the remote tiers now about the chunks the local ones lack,
+        so that its first :meth:`lookup` finds the answer in. Never blocks."""
+        if not self.has_remote or lk.phase is not Phase.NEW or lk.ahead is not None or not lk.lks:
+            return
+        where = self.locate_local(lk.lks, lk.tenant)
+        gaps = [i for i, w in enumerate(where) if w is None]
+        if gaps:
+            lk.ahead = Ahead(self.probe_remote([lk.lks[i] for i in gaps], lk.tenant), gaps)
 
-        Returns the futures of the promotions now running for these keys (True: the chunk is in
-        memory now). Each new promotion's slot is reserved here, on the calling thread (one that
-        finds none is settled False at once). Without a memory tier nothing can be staged and the
-        list is empty. ``defer``: new promotions read only from :meth:`start_deferred` on (vLLM's
-        scheduler: after the lookups of one scheduling pass, which the reading threads would
-        otherwise slow down, contending for the GIL).
-        """
-        return self._reads.stage(list(lks), tenant, defer=defer)
+    def lookup(
+        self,
+        lk: Lookup,
+        first: int = 0,
+        *,
+        wait_until: float | None = None,
+        defer: bool = False,
+        stream: Callable[[int, int], bool] | None = None,
+        probe: bool = True,
+    ) -> Answer:
+        """The hit of ``lk`` from chunk ``first`` on: a :class:`Hit` (its slots pinned for the caller),
+        :class:`Pending` (tier I/O runs: ask again) or :class:`Miss`.
 
-    def start_deferred(self) -> int:
-        """Start the promotions :meth:`stage` deferred; how many."""
-        return self._reads.start_deferred()
+        The first ask finds each chunk's fastest tier (remote tiers: one batched check on an I/O
+        thread, or the one :meth:`look_ahead` made), cuts the hit at the first gap and where
+        loading would be slower than recomputing, and protects its chunks from eviction. Its chunks
+        below memory are then promoted (unless pool slots are short: it waits for them up to
+        ROOM_WAIT_S). Once every promotion settled (or GIVE_UP_S passed) the answer is a Hit of
+        what is in memory from ``first`` on, pinned anew on every ask.
 
-    def promoted(self, slot: int, lk: bytes) -> bool:
-        """A promotion's record is in ``slot`` and checked on every rank: make it visible (unpinned)
-        and count it; False (the slot freed) after a reset or if ``lk`` was committed meanwhile."""
-        with self._lock:
-            ok = self._commit_locked(slot, lk, keep_pin=False)
-        if ok:
-            self._mem_stats.add("promotions")
-        return ok
+        ``wait_until`` (``time.monotonic``): wait for the lookup's own I/O until then (default:
+        never wait). ``defer``: promotions read only from :meth:`start_deferred` on (vLLM: after the
+        scheduling pass, whose other lookups the reading threads would slow down). ``stream(below,
+        chunks)``: whether to answer a hit of ``chunks`` chunks, ``below`` of them below memory,
+        as a streamed Hit (its chunks from :meth:`arrivals`). ``probe=False``: the caller has just
+        checked existence itself (SGLang's ``batch_exists``), so the chunks no local tier holds are
+        read from the remote tiers without asking first (a read that misses costs what the check
+        would have)."""
+        if lk.phase is Phase.NEW:
+            self._find(lk, first, probe)
+            self.memory.counters.add("misses", sum(w != MEMORY for w in lk.where))
+            if lk.probe is not None:
+                lk.since = time.monotonic()
+                lk.to(Phase.LOCATING)
+            else:
+                self._cut(lk)
+        if lk.phase is Phase.LOCATING:
+            assert lk.probe is not None
+            self._wait([lk.probe], lk, wait_until)
+            if not lk.probe.done() and not self._gave_up(lk, GIVE_UP_S):
+                return Pending("remote")
+            names = lk.probe.result() if lk.probe.done() else [None] * len(lk.probe_at)
+            for i, name in zip(lk.probe_at, names, strict=True):
+                lk.where[i] = name
+            lk.probe = None
+            self._cut(lk)
+        if lk.phase is Phase.FOUND:
+            need = [k for k, w in zip(lk.protected, lk.where, strict=False) if w != MEMORY]
+            if self._short_of_room(len(need)) and not self._gave_up(lk, ROOM_WAIT_S):
+                # Promotions that found no slot would cut the hit short, and under load the engine
+                # would recompute the rest behind the backlog holding the slots.
+                lk.waited_for_room = True
+                return Pending("room")
+            if not lk.protected:
+                lk.to(Phase.READY)
+            elif stream is not None and stream(len(need), len(lk.protected)):
+                return self._stream(lk)
+            else:
+                lk.staging = self._promoter.stage(need, lk.tenant, defer=defer)
+                lk.promotions = list(lk.staging)
+                lk.to(Phase.STAGING)
+        if lk.phase is Phase.STREAMING:
+            return Hit(lk.first, len(lk.protected), tiers=dict(lk.tiers), streaming=True)
+        if lk.phase is Phase.STAGING:
+            self._wait(lk.staging, lk, wait_until)
+            if not all(f.done() for f in lk.staging) and not self._gave_up(lk, GIVE_UP_S):
+                return Pending("promotions")
+            self._staged(lk)
+        slots = self.memory.pin(lk.lks[first:])
+        self._unprotect(lk)  # pinned now, what of it is in memory
+        if not slots:
+            return Miss()
+        return Hit(first, len(slots), slots, dict(lk.tiers))
 
-    # -- pins for loads ---------------------------------------------------------------
+    def _find(self, lk: Lookup, first: int, probe: bool) -> None:
+        """Where each chunk from ``first`` is: memory and the local tiers asked per key now; for the
+        chunks they lack, the remote tiers' answer in ``lk.probe`` (the check made ahead if it is
+        fresh and covers them, else one batched check on an I/O thread). ``probe=False``: the
+        remote tier is assumed to hold them (a read that misses costs what the check would)."""
+        lk.first = first
+        lk.where = self.locate_local(lk.lks[first:], lk.tenant)
+        gaps = [i for i, w in enumerate(lk.where) if w is None]
+        ahead, lk.ahead = lk.ahead, None  # used once
+        if not gaps or not self.has_remote:
+            return
+        if not probe:
+            remote = self._remote_tiers()[0][0]
+            for i in gaps:
+                lk.where[i] = remote
+            return
+        lk.probe_at = gaps
+        lk.probe = ahead.answer_for([first + i for i in gaps]) if ahead else None
+        lk.ahead_used = lk.probe is not None
+        if lk.probe is None:
+            lk.probe = self.probe_remote([lk.lks[first + i] for i in gaps], lk.tenant)
 
-    def pin(self, lks: Iterable[bytes]) -> list[int]:
-        """Pin the memory slots of the leading ``lks`` that are in memory; stops at the first that is not."""
-        slots: list[int] = []
-        with self._lock:
-            for lk in lks:
-                s = self._index.pin(lk)
-                if s is None:
-                    break
-                slots.append(s)
-        return slots
+    def _cut(self, lk: Lookup) -> None:
+        """The hit ends at the first gap, then where loading stops paying (see LoadCosts.plan); its
+        chunks are kept from eviction until they are pinned."""
+        found = lk.where.index(None) if None in lk.where else len(lk.where)
+        lk.found = found
+        keys = lk.lks[lk.first : lk.first + found]
+        where = lk.where[:found]
+        n = found
+        if found and any(w != MEMORY for w in where):
+            sources = [
+                MEMORY if w == MEMORY else self.read_source(k, w or "", lk.tenant)
+                for k, w in zip(keys, where, strict=True)
+            ]
+            lk.sources = {k: s for k, s in zip(keys, sources, strict=True) if s != MEMORY}
+            plan = self.costs.plan(sources)
+            n = plan.load
+            if plan.left:
+                lk.left_out = set(keys[n:])
+                lk.why_left = plan.why
+        lk.tiers = {t: where[:n].count(t) for t in [MEMORY, *self.tiers] if t in where[:n]}
+        lk.protected, lk.chunks = keys[:n], n
+        self.memory.protect(lk.protected)
+        if not lk.since:
+            lk.since = time.monotonic()
+        lk.to(Phase.FOUND)
 
-    def protect(self, lks: Iterable[bytes]) -> None:
-        """Keep ``lks`` from being evicted until :meth:`unprotect` (counted: two lookups may
-        protect the same chunk)."""
-        with self._lock:
-            for lk in lks:
-                self._protected[lk] = self._protected.get(lk, 0) + 1
-
-    def room(self) -> int:
-        """Slots a promotion or store could get now (free, or evictable: unpinned, unprotected)."""
-        with self._lock:
-            return self._index.room(self._protected)
-
-    def short_of_room(self, need: int) -> bool:
+    def _short_of_room(self, need: int) -> bool:
         """Whether promoting ``need`` chunks now would find slots missing that other work holds for
         a while (other requests' leases and promotions, the write-behind's queue), so that asking
         again shortly beats a shorter hit. Never for more than half the pool: the write-behind may
         pin half, so more can never be counted on (such a hit is promoted as far as room goes)."""
-        return 0 < need <= self.num_slots // 2 and self.room() < need
+        return 0 < need <= self.num_slots // 2 and self.memory.room() < need
 
-    def unprotect(self, lks: Iterable[bytes]) -> None:
-        with self._lock:
-            for lk in lks:
-                n = self._protected.get(lk, 0) - 1
-                if n > 0:
-                    self._protected[lk] = n
-                else:
-                    self._protected.pop(lk, None)
+    def _stream(self, lk: Lookup) -> Hit:
+        # Each chunk's read is deferred to the end of the scheduling pass (see lookup's ``defer``).
+        for i, k in enumerate(lk.protected):
+            futs = [] if self.in_memory(k) else self._promoter.stage([k], lk.tenant, defer=True)
+            lk.awaited.append((i, futs[0] if futs else None))
+        lk.staging = [f for _, f in lk.awaited if f is not None]
+        lk.promotions = list(lk.staging)
+        lk.to(Phase.STREAMING)
+        return Hit(lk.first, len(lk.protected), tiers=dict(lk.tiers), streaming=True)
 
-    def unpin(self, slots: Iterable[int]) -> None:
-        with self._lock:
-            for s in slots:
-                self._index.unpin(s)
+    def _staged(self, lk: Lookup) -> None:
+        """Every promotion of the hit settled: count per tier what arrived (a failed promotion
+        shortens the hit) and measure the reads."""
+        for name in self.tiers:
+            if name in lk.tiers:
+                lk.tiers[name] = sum(
+                    self.in_memory(k) for k, w in zip(lk.protected, lk.where, strict=False) if w == name
+                )
+        self.costs.promoted(lk.promotions, lk.sources)
+        lk.staging = []
+        lk.to(Phase.READY)
 
-    def count_load(self, chunks: int, payload_bytes: int) -> None:
-        self._mem_stats.add("hits", chunks)
-        self._mem_stats.add("bytes_read", payload_bytes)
+    def _wait(self, futs: Sequence[Future[Any]], lk: Lookup, until: float | None) -> None:
+        if until is None:
+            return
+        pending = [f for f in futs if not f.done()]
+        left = until - time.monotonic()
+        if pending and left > 0:
+            lk.waits += 1
+            wait(pending, timeout=left, return_when=ALL_COMPLETED)
 
-    def count_miss(self, chunks: int = 1) -> None:
-        self._mem_stats.add("misses", chunks)
+    @staticmethod
+    def _gave_up(lk: Lookup, limit: float) -> bool:
+        return bool(lk.since) and time.monotonic() - lk.since > limit
 
-    def pin_each(self, lks: Sequence[bytes]) -> dict[int, int]:
-        """Pin the memory slot of every key in memory, index -> slot; unlike :meth:`pin`, a key
-        not in memory does not end the pins."""
-        out: dict[int, int] = {}
-        with self._lock:
-            for i, lk in enumerate(lks):
-                s = self._index.pin(lk)
-                if s is not None:
-                    out[i] = s
+    def arrivals(self, lk: Lookup, *, give_up: bool = False, gone: bool = False) -> Arrivals:
+        """A streamed hit's chunks that reached memory since the last call, each pinned for the
+        caller (released by :meth:`finish_load`), and those that never will: a failed promotion,
+        tier I/O given up (``give_up``, or GIVE_UP_S passed), the request gone (``gone``: nothing is
+        handed out any more). After the first failure every later chunk fails too (the engine
+        recomputes from the first failed chunk anyway). Once nothing is awaited the reads are
+        measured and the lookup is READY. Never waits."""
+        give_up = give_up or self._gave_up(lk, GIVE_UP_S)
+        out = Arrivals()
+        waiting: list[tuple[int, Future[bool] | None]] = []
+        failing = False
+        for i, fut in lk.awaited:
+            arrived = fut is None or fut.done()
+            if not failing and not arrived and not give_up:
+                waiting.append((i, fut))
+                continue
+            ok = not failing and not gone and arrived and (fut is None or fut.result())
+            slots = self.memory.pin([lk.protected[i]]) if ok else []
+            if slots:
+                out.ready.append((i, slots[0]))
+            else:
+                failing = True
+                out.failed.append(i)
+        lk.awaited = waiting
+        lk.staging = [f for _, f in waiting if f is not None]
+        out.waiting = len(waiting)
+        if not waiting and lk.phase is Phase.STREAMING:
+            self.costs.promoted(lk.promotions, lk.sources)
+            self._unprotect(lk)
+            lk.to(Phase.READY)
         return out
 
-    def drop_corrupt(self, lk: bytes) -> None:
-        """A memory hit whose header failed: forget it, counted as corrupt and a miss."""
-        self._mem_stats.add("corrupt")
-        self._mem_stats.add("misses")
-        with self._lock:
-            self._index.remove(lk)
+    def finish_load(self, slots: Iterable[int], *, loaded: int = 0, nbytes: int = 0) -> None:
+        """The caller is done with pinned ``slots`` (a Hit's, an arrival's); ``loaded`` chunks of
+        ``nbytes`` (every rank's) were copied out of them (counted as memory hits)."""
+        self.memory.unpin(slots)
+        if loaded:
+            self.memory.counters.add("hits", loaded)
+            self.memory.counters.add("bytes_read", nbytes)
 
-    # -- loads in this process (library, SGLang) -------------------------------------------
+    def release(self, lk: Lookup) -> None:
+        """End ``lk`` in any phase: its protection goes and nothing it awaits is handed out. A
+        promotion still running completes into memory for a later hit. A released lookup may still
+        be asked: it answers with what is in memory."""
+        self._unprotect(lk)
+        lk.awaited, lk.staging = [], []
+        if lk.phase is not Phase.DONE:
+            lk.to(Phase.DONE)
 
-    def load(self, lks: list[bytes], consume: Consume, tenant: str = SHARED, *, probe: bool = True) -> int:
-        """Hand each chunk's verified payload (the first served rank's) to ``consume``; return how
-        many leading chunks succeeded. Blocks until every read is done.
+    def _unprotect(self, lk: Lookup) -> None:
+        if lk.protected:
+            self.memory.unprotect(lk.protected)
+            lk.protected = []
 
-        The chunks are located once (remote tiers: one batched round trip) and the hit cut at the
-        first gap. ``probe=False``: the caller has just asked (SGLang's ``batch_exists`` before its
-        reads), so the chunks no local tier holds are read from the remote tiers directly (a GET
-        that misses costs what the existence check would have). Memory hits are consumed on the
-        calling thread; the others are read on the I/O threads into reserved slots, verified,
-        consumed there and promoted (or, with no room or no memory tier, read into a private
-        buffer). A chunk after a failed one may still have been
-        consumed; only the returned prefix counts.
-        """
-        return self._reads.load(lks, consume, tenant, probe=probe)
+    def start_deferred(self) -> int:
+        """Start the promotions that lookups with ``defer`` staged; how many."""
+        return self._promoter.start_deferred()
 
-    # -- stores ----------------------------------------------------------------------
+    def stage(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[Future[bool]]:
+        """Promote ``lks`` (those not in memory) without a lookup: for tools that warm the memory
+        tier and for tests. Never blocks; see :meth:`Promoter.stage`."""
+        return self._promoter.stage(list(lks), tenant)
 
-    def reserve(self) -> int | None:
-        """A pinned, invisible slot for a new chunk, or None (counted) if every slot is pinned."""
-        with self._lock:
-            got = self._index.reserve(self._protected)
+    # -- stores --------------------------------------------------------------------------
+
+    def begin_store(
+        self, lk: bytes, tenant: str = SHARED, *, rewrite: bool = False, private: bool = False
+    ) -> StoreTarget | str:
+        """Where to put the new chunk ``lk``: a reserved pool slot (every rank's; the caller fills and
+        seals each rank's record in it, then calls :meth:`finish_store`), or, with ``private`` and
+        no slot to spare, a private record buffer for the first served rank. Or a reason not to:
+        HELD (memory or a slower tier holds it, or a store of it is in flight; ``rewrite``: a
+        slower tier's copy does not count, as for a chunk a hit left to recompute, which then goes
+        into memory) or NO_ROOM (counted). A chunk already in memory that a slower tier may lack
+        is queued for it again. Never blocks."""
+        slot = self.memory.pin([lk])
+        if slot:
+            if self.tiers and self._cascade.needed(lk, tenant):
+                self._cascade.submit(lk, slot[0], tenant)
+            else:
+                self.memory.unpin(slot)
+            return HELD
+        if not rewrite and self._held_below(lk, tenant):
+            return HELD
+        with self._storing_lock:
+            if lk in self._storing:
+                return HELD
+            got = self.memory.reserve() if self.pools else None
             if got is not None:
-                self._slot_epoch[got[0]] = self._epoch
-                if got[1] is not None:
-                    self._mem_stats.add("evictions")
-        if got is None:
-            self._mem_stats.add("writes_skipped")
-            return None
-        return got[0]
+                self._storing.add(lk)
+                return got
+        if private and self.tiers:
+            return bytearray(self.record_bytes)
+        return NO_ROOM
 
-    def commit(self, lk: bytes, slot: int, tenant: str = SHARED) -> bool:
-        """The workers have filled and sealed ``slot`` for ``lk`` on every rank: make it visible,
-        and queue it for the slower tiers unless every rank's tiers are known to hold it. False
-        (and the slot freed) if another writer committed ``lk`` first or the memory tier was reset
-        since the slot was reserved."""
+    def _held_below(self, lk: bytes, tenant: str) -> bool:
+        """A slower tier holds ``lk`` for every rank: a local one by its index, a remote one as far
+        as this process knows without asking (see ``Tier.held``)."""
+        if self.held_locally(lk, tenant) is not None:
+            return True
+        return any(
+            all(t.held(self.record_key(i, lk), tenant) for i, t in enumerate(ts))
+            for _, ts in self._remote_tiers()
+        )
+
+    def finish_store(self, lk: bytes, target: StoreTarget, ok: bool, tenant: str = SHARED) -> bool:
+        """The caller has filled and sealed ``target`` (``ok``) or given up on it. A slot becomes
+        visible and is queued for the slower tiers unless they all hold ``lk``; a private record is
+        queued for them. False (and the slot freed) if not ``ok``, if another writer committed
+        ``lk`` first, or if the memory tier was reset since :meth:`begin_store`."""
+        if isinstance(target, bytearray):
+            return ok and self._cascade.submit(lk, target, tenant)
+        with self._storing_lock:
+            self._storing.discard(lk)
+        if not ok:
+            self.memory.abort(target)
+            return False
         cascade = bool(self.tiers) and self._cascade.needed(lk, tenant)
-        with self._lock:
-            if not self._commit_locked(slot, lk, keep_pin=cascade):
-                return False
-        self._mem_stats.add("writes")
-        self._mem_stats.add("bytes_written", self.payload_bytes)
+        if not self.memory.commit(target, lk, keep_pin=cascade):
+            return False
+        self.memory.counters.add("writes")
+        self.memory.counters.add("bytes_written", self.payload_bytes)
         if cascade:
-            self._cascade.submit(lk, slot, tenant)
+            self._cascade.submit(lk, target, tenant)
         return True
 
-    def _commit_locked(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool:
-        """Under the lock: make ``slot`` visible as ``lk``, unless the memory tier was reset since
-        the slot was reserved (then the slot is freed: nothing in flight at a reset becomes visible
-        after it) or another writer committed ``lk`` first."""
-        if self._slot_epoch[slot] != self._epoch:
-            self._index.abort(slot)
-            return False
-        return self._index.commit(slot, lk, keep_pin=keep_pin)
+    # -- for a caller that holds the bytes in this process (see engine/local.py) --------------
 
-    def abort(self, slot: int) -> None:
-        with self._lock:
-            self._index.abort(slot)
+    def run_io(self, fn: Callable[..., object], *args: object) -> Future[object]:
+        """Run ``fn`` on an I/O thread."""
+        return self._promoter.submit(fn, *args)
 
-    def store(self, lks: list[bytes], produce: Produce, tenant: str = SHARED) -> int:
-        """Store each chunk whose payload ``produce`` writes (one served rank only); return how many
-        leading chunks are now held (in memory, or queued for or held by a slower tier). Chunks
-        already held are not rewritten; nothing here waits on a remote server."""
-        if len(self.ranks) != 1:
-            raise ValueError("store() fills one rank's payloads; this catalog serves several ranks")
-        held = 0
-        for i, lk in enumerate(lks):
-            if not self._store_one(i, lk, produce, tenant):
-                break
-            held += 1
-        return held
+    def read_private(self, lk: bytes, tenant: str = SHARED) -> torch.Tensor | None:
+        """The first served rank's verified record of ``lk`` in this thread's private buffer (valid
+        until the thread's next call), or None: for a chunk that has no slot. Blocks for the read."""
+        return self._promoter.read_private(lk, tenant)
 
-    def _store_one(self, i: int, lk: bytes, produce: Produce, tenant: str) -> bool:
-        slow = self.slow_tiers(0)
-        rk = self.record_key(0, lk)
-        if self.pools:
-            with self._lock:
-                present = self._index.pin(lk)
-            if present is not None:
-                if self.tiers and self._cascade.needed(lk, tenant):
-                    self._cascade.submit(lk, present, tenant)
-                else:
-                    self.unpin([present])
-                return True
-            if slow and any(t.held(rk, tenant) for t in slow):
-                return True  # a slower tier has it; a later hit promotes it
-            slot = self.reserve()
-            if slot is not None:
-                off = slot * self.slot_bytes
-                try:
-                    produce(i, self.pools[0].tensor[off + record.HEADER_BYTES : off + self.record_bytes])
-                except BaseException:
-                    self.abort(slot)
-                    raise
-                record.seal(
-                    self.pools[0].view[off : off + self.record_bytes],
-                    self.rank_digests[0],
-                    rk,
-                    self.payload_bytes,
-                )
-                self.commit(lk, slot, tenant)
-                return True
-        if not slow:
-            return False
-        if any(t.held(rk, tenant) for t in slow):
-            return True
-        buf = bytearray(self.record_bytes)
-        payload = torch.frombuffer(buf, dtype=torch.uint8)[record.HEADER_BYTES :]
-        produce(i, payload)
-        del payload  # the buffer must have no exports left when the cascade hands it to a tier
-        record.seal(memoryview(buf), self.rank_digests[0], rk, self.payload_bytes)
-        return self._cascade.submit(lk, buf, tenant)
+    # -- the engine's steps --------------------------------------------------------------
 
     def step_scheduled(self, computes: bool) -> None:
         """The engine scheduled a step, computing or not (see :meth:`Cascade.step_scheduled`)."""
@@ -526,8 +638,6 @@ class Catalog:
     def step_done(self, computed: bool | None = None) -> None:
         """A scheduled step's output is back (see :meth:`Cascade.step_done`)."""
         self._cascade.step_done(computed)
-        if not self._cascade.busy:
-            self._reads.engine_idle()
 
     @property
     def engine_busy_now(self) -> bool:
@@ -541,8 +651,8 @@ class Catalog:
     def flush(self) -> None:
         """Wait for every queued cascade write and every promotion (deferred ones started)."""
         self._cascade.flush()
-        self._reads.start_deferred()
-        for f in self._reads.pending():
+        self._promoter.start_deferred()
+        for f in self._promoter.pending():
             f.result()
 
     # -- housekeeping --------------------------------------------------------------
@@ -551,9 +661,7 @@ class Catalog:
         """Forget chunks of the named tiers (pinned slots are freed when their copies finish).
         A remote tier is cleared only when named: it is shared with other engines."""
         if MEMORY in tiers:
-            with self._lock:
-                self._epoch += 1
-                self._index.clear()
+            self.memory.reset()
         named = [ts for n, ts in self.tiers.items() if n in tiers]
         if named:
             self.flush()
@@ -569,9 +677,8 @@ class Catalog:
         out: dict[str, dict[str, int]] = {}
         n = len(self.ranks)
         if self.pools:
-            with self._lock:
-                used, pinned = len(self._index), self._index.pinned()
-            out[MEMORY] = self._mem_stats.snapshot(
+            used, pinned = len(self.memory), self.memory.pinned()
+            out[MEMORY] = self.memory.counters.snapshot(
                 used_bytes=used * self.payload_bytes * n,
                 capacity_bytes=self.num_slots * self.payload_bytes * n,
                 chunks=used,
@@ -608,8 +715,7 @@ class Catalog:
 
     def check(self) -> None:
         """Assert internal consistency (tests call this after fault injection)."""
-        with self._lock:
-            self._index.check()
+        self.memory.check()
         for ts in self.tiers.values():
             for t in ts:
                 t.check()
@@ -623,7 +729,7 @@ class Catalog:
         if not self._cascade.close(limit):
             return  # writes still run on the pools: the process exits with them mapped
         self.flush()
-        self._reads.close()
+        self._promoter.close()
         # Remote workers first: a worker's last job may still reference its buffer (a slice of a
         # pool) until the worker ends, and a mapping with a live export cannot be closed.
         self._close_tiers()

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from hpkv.engine.reads import Promotion
+from hpkv.engine.promotion import Promotion
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,9 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace, Tokens, tokens_to_array
 from hpkv.core.layout import KVLayout
-from hpkv.engine.catalog import MEMORY, STORAGE, Catalog, Consume, Produce
+from hpkv.engine import local
+from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
+from hpkv.engine.local import Consume, Produce
 from hpkv.tiers.memory.pool import ShmPool
 
 
@@ -101,10 +103,10 @@ class KVStore:
 
     def load_chunks(self, keys: list[bytes], consume: Consume, *, probe: bool = True) -> int:
         """Hand each chunk's verified payload to ``consume``; return how many leading chunks succeeded
-        (see :meth:`Catalog.load`: memory hits on the calling thread, slower ones on I/O threads,
+        (see :func:`hpkv.engine.local.load`: memory hits on the calling thread, slower ones as they land,
         promoted into memory; blocks until every read is done). ``probe=False``: skip the remote
         existence check (the caller just made it) and read what the local tiers lack remotely."""
-        return self.engine.load(keys, consume, SHARED_TENANT, probe=probe)
+        return local.load(self.engine, keys, consume, SHARED_TENANT, probe=probe)
 
     def get(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of the full chunks of ``tokens``: ``[layers, 2, n, heads, dim]``, bit-exact.
@@ -143,7 +145,7 @@ class KVStore:
         held. Memory is written on the calling thread; the slower tiers get the record through the
         cascade (never blocking: a full queue drops that write). Chunks already held are not
         rewritten; nothing here waits on a remote server."""
-        return self.engine.store(keys, produce, SHARED_TENANT)
+        return local.store(self.engine, keys, produce, SHARED_TENANT)
 
     def put(self, tokens: Tokens, kv: torch.Tensor) -> int:
         """Store the full chunks of ``tokens`` from ``kv`` ``[layers, 2, len(tokens), heads, dim]``.

@@ -136,10 +136,10 @@ class Mover:
     # -- the pool ----------------------------------------------------------------------
 
     def attach_pool(self, pool_tensor: torch.Tensor) -> None:
-        """Register the pool's memory with CUDA (once per pool); no-op on CPU. Page-locking takes
-        1.5-2.3 s for 8 GiB on the H200: the worker does it at start, on the pool it makes then
-        (see worker.py); doing it on a thread did not help (the engine's CUDA calls waited for
-        it). Timed in the log."""
+        """Register the pool's memory with CUDA (once per pool); no-op on CPU. Page-locking a pool
+        of several GiB takes seconds, so the worker does it at start, on the pool it makes then
+        (see worker.py), not on a thread: the engine's own CUDA calls would wait for it. Timed in
+        the log."""
         if not self.cuda or self._registered is pool_tensor:
             return
         self.detach_pool()

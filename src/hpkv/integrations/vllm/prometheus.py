@@ -10,7 +10,6 @@ but JSON.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,11 +27,16 @@ def install_collector() -> None:
     except ImportError:  # pragma: no cover - prometheus_client is a dependency
         return
 
+    from hpkv.core.config import HpkvConfig
     from hpkv.integrations.vllm.statsfile import read_all
+
+    try:
+        path = HpkvConfig.from_env().share_mem_file_path
+    except Exception:  # the engine refuses a bad setting itself, naming it; /metrics just has no hpkv_*
+        return
 
     class HpkvCollector:
         def collect(self) -> Iterator[Any]:
-            path = os.environ.get("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv")
             docs = read_all(path)
             counters = (
                 "hits",
@@ -46,7 +50,6 @@ def install_collector() -> None:
                 "errors",
                 "promotions",
                 "page_cache_reads",
-                "io_process_reads",
             )
             gauges = ("used_bytes", "capacity_bytes", "chunks")
             fams: dict[str, Any] = {}

@@ -1,58 +1,66 @@
-"""What the vLLM scheduler side (scheduler.py) keeps per request and per load or store op."""
+"""What the vLLM scheduler side (scheduler.py) keeps per request and per load or store op.
+
+The request's lookup is the engine's (:class:`hpkv.engine.lookup.Lookup`, with its own phases);
+what is vLLM's is how its hit is handed to vLLM, :class:`LoadPhase`.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from hpkv.core.keys import SHARED_TENANT
-from hpkv.integrations.vllm.arrival import ArrivalCheck
+from hpkv.engine.lookup import IllegalTransition, Lookup
 from hpkv.integrations.vllm.meta import ChunkLoad
+
+
+class LoadPhase(enum.Enum):
+    NONE = "none"  # no load answered to vLLM (or it ended)
+    LEASED = "leased"  # a synchronous hit answered; its slots pinned until vLLM allocates blocks
+    SCHEDULED = "scheduled"  # blocks allocated: the load goes out with the request's next step
+    ASYNC = "async"  # an async hit answered; vLLM has not allocated blocks yet
+    ASYNC_LOADING = "async-loading"  # parts go out as chunks arrive, until every rank reported
+    ABANDONED = "abandoned"  # vLLM finished the request while its async load was in flight
+
+
+ALLOWED: dict[LoadPhase, frozenset[LoadPhase]] = {
+    LoadPhase.NONE: frozenset({LoadPhase.NONE, LoadPhase.LEASED, LoadPhase.ASYNC}),
+    LoadPhase.LEASED: frozenset({LoadPhase.NONE, LoadPhase.SCHEDULED}),
+    LoadPhase.SCHEDULED: frozenset({LoadPhase.NONE}),
+    LoadPhase.ASYNC: frozenset({LoadPhase.ASYNC, LoadPhase.ASYNC_LOADING, LoadPhase.NONE}),
+    LoadPhase.ASYNC_LOADING: frozenset({LoadPhase.NONE, LoadPhase.ABANDONED}),
+    LoadPhase.ABANDONED: frozenset({LoadPhase.NONE}),
+}
 
 
 @dataclass
 class ReqState:
-    lks: list[bytes]  # empty when hpkv does not touch the request (see identity.py)
+    lookup: Lookup  # no keys when hpkv does not touch the request (see identity.py)
     prompt_len: int
-    tenant: str = SHARED_TENANT
     block_ids: list[int] = field(default_factory=list)
     next_store: int = 0
+    load: LoadPhase = LoadPhase.NONE
     lease: list[int] = field(default_factory=list)  # pinned slots of chunks [lease_first, ...)
     lease_first: int = 0
     load_start: int = 0
     load_tokens: int = 0
-    pending_load: bool = False
-    # The lookup, in the order it happens (never waiting: see get_num_new_matched_tokens):
-    where: list[str | None] | None = None  # tier per chunk from looked_from on (None: no tier)
-    looked_from: int = 0
-    probe: Future[list[str | None]] | None = None  # the remote tiers' answer for the local gaps
-    probe_at: list[int] = field(default_factory=list)
-    arrival: ArrivalCheck | None = None  # the remote tiers asked when vLLM queued the request
-    cut: int = -1  # chunks of the hit (from looked_from), once cut at the first gap
-    waited_for_room: bool = False
-    stage_started: bool = False
-    staging: list[Future[bool]] = field(default_factory=list)
-    staging_since: float = 0.0
-    staged: bool = False
-    tiers: dict[str, int] = field(default_factory=dict)
-    protected: list[bytes] = field(default_factory=list)  # kept from eviction while staging
-    # Where each chunk of the hit below memory is read from (engine/costs.py's sources), and the
-    # promotions of the load, whose timings measure those sources once they are all in.
-    sources: dict[bytes, str] = field(default_factory=dict)
-    promotions: list[Future[bool]] = field(default_factory=list)
-    left_out: set[bytes] = field(default_factory=set)  # chunks of the hit left to the engine (costs)
-    # vLLM's async load (config.async_load: see HpkvScheduler._load_async): the hit's end in
-    # tokens once answered; the chunks not yet sent to the workers (index, their promotion or None
-    # for a chunk in memory); the load op from allocation until every rank reported it.
-    async_hit: int = 0
-    async_wait: list[tuple[int, Future[bool] | None]] = field(default_factory=list)
-    async_op: int = 0
-    finished: bool = False  # vLLM finished (aborted) the request while its async load was in flight
+    async_hit: int = 0  # an async hit's end in tokens, once answered
+    async_op: int = 0  # the async load's op, from allocation until every rank reported it
+    logged: bool = False  # the lookup's log line was written
 
-    def hit_end(self, chunk: int) -> int:
-        """Where the hit the lookup cut ends, in tokens (the engine computes at least the last one)."""
-        return min((self.looked_from + len(self.protected)) * chunk, self.prompt_len - 1)
+    @property
+    def lks(self) -> list[bytes]:
+        return self.lookup.lks
+
+    @property
+    def tenant(self) -> str:
+        return self.lookup.tenant
+
+    def to(self, phase: LoadPhase) -> None:
+        if phase not in ALLOWED[self.load]:
+            raise IllegalTransition(f"a request's load cannot go from {self.load.value} to {phase.value}")
+        self.load = phase
 
     def leased_chunks(self, chunk: int, block: int) -> list[ChunkLoad]:
         """A synchronous load's chunks: each leased slot's share of the tokens to load, and its blocks."""

@@ -17,15 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import MEMORY, Catalog
+from hpkv.engine.catalog import MEMORY, NO_ROOM, Catalog
 from hpkv.engine.costs import RateMemo
-from hpkv.engine.reads import staged_line
-from hpkv.integrations.vllm.arrival import ArrivalCheck
-from hpkv.integrations.vllm.async_parts import next_part
+from hpkv.engine.lookup import Hit, Lookup, Miss, Phase
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
-from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
-from hpkv.integrations.vllm.poolfull import PoolFullLog
-from hpkv.integrations.vllm.reqstate import Op, ReqState
+from hpkv.integrations.vllm.logs import PoolFullLog, staged_line
+from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
+from hpkv.integrations.vllm.reqstate import LoadPhase, Op, ReqState
 from hpkv.integrations.vllm.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.stepclock import StepClock
 from hpkv.integrations.vllm.steptrace import StepTrace
@@ -38,20 +36,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hpkv")
 
-# How long a request keeps being asked about before it settles for what is in memory then.
-STAGE_GIVE_UP_S = 30.0
-# How long a hit waits for pool slots that others hold before it is promoted as far as room goes
-# (two waiting requests could each hold, protected, resident chunks the other needs room for).
-ROOM_WAIT_S = 2.0
 # A step that scheduled nothing while lookups wait for tier I/O: the engine would spin through empty
-# steps (scheduler and workers polling), taking the CPU from the promotion threads (on 2 cores that
-# made storage and valkey hits 10-50 ms slower). Such a step waits for those lookups' I/O to finish, at
-# most this long, unless a computing step is still out (async scheduling): its output waits on this thread.
+# steps (scheduler and workers polling), taking the CPU from the promotion threads. Such a step waits
+# for those lookups' I/O to finish, at most this long, unless a computing step is still out (async
+# scheduling): its output waits on this thread.
 IDLE_WAIT_S = 0.02
 # An async load sends its chunks as they arrive, but not one step per chunk: each step is the engine
-# thread's Python on the GIL that every promotion needs back after each system call (with a thread
-# spinning in Python, 4 I/O threads staged at 3.0 GB/s instead of 15.0 on the H200's host:
-# scripts/gpu/probe_stage.py). After the first arrival the step gathers the others for this long.
+# thread's Python on the GIL that every promotion needs back after each system call, so stepping per
+# chunk would slow the very reads it waits for. After the first arrival the step gathers the others
+# for this long.
 ASYNC_GATHER_S = 0.005
 PENDING_OPS_MAX_S = 60.0
 POOL_FULL_LOG_S = 30.0  # at most one "pool full, chunks not stored" warning per this many seconds
@@ -95,7 +88,6 @@ class HpkvScheduler:
         self._async: dict[str, ReqState] = {}  # async loads whose last part is still to be sent
         self._ops: dict[int, Op] = {}
         self._next_op = 1
-        self._pending_store: set[bytes] = set()
         self._attached = 0  # worker ranks that have mapped their pool file
         self._counters = {
             "lookups": 0,
@@ -150,7 +142,7 @@ class HpkvScheduler:
                 lks: list[bytes] = []
             else:
                 lks = self.catalog.keys(prompt, seed=ident.seed, extras=ident.extras)
-            st = ReqState(lks=lks, prompt_len=len(prompt), tenant=ident.tenant)
+            st = ReqState(Lookup(lks, ident.tenant), prompt_len=len(prompt))
             self._reqs[request.request_id] = st
         return st
 
@@ -159,18 +151,16 @@ class HpkvScheduler:
         (NewRequestData) lacks cache_salt, so such a request cannot be keyed and is not touched."""
         st = self._reqs.get(req_id)
         if st is None:
-            st = ReqState(lks=[], prompt_len=len(prompt or []))
+            st = ReqState(Lookup([]), prompt_len=len(prompt or []))
             self._reqs[req_id] = st
         return st
 
     def on_new_request(self, request: Request) -> None:
         """vLLM queued the request: ask the remote tiers now about the chunks the local ones lack,
-        so the first lookup can use the answer (see arrival.py)."""
+        so the first lookup can use the answer (see Catalog.look_ahead)."""
         if not self.load_enabled or not self.catalog.has_remote:
             return
-        st = self._state(request)
-        if st.lks and st.where is None and st.arrival is None:
-            st.arrival = ArrivalCheck.start(self.catalog, st.lks, st.tenant)
+        self.catalog.look_ahead(self._state(request).lookup)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """See :meth:`_lookup`; traced (``HPKV_STEP_TRACE``)."""
@@ -183,20 +173,19 @@ class HpkvScheduler:
     def _lookup(self, request: Request, num_computed: int) -> tuple[int | None, bool]:
         """How many tokens past ``num_computed`` hpkv can load; ``None`` = ask again next step.
 
-        Never waits while the engine has anything else to do (vLLM calls this inside the step that
-        serves every running request); a request that is all the engine has waits for its own I/O
-        at most IDLE_WAIT_S, as the empty step it would cost waits (see :meth:`_wait_alone`). The
-        first call looks in memory and storage (local indexes) and, for the chunks they lack,
-        asks valkey once on a thread (one pipelined EXISTS per rank); the hit is cut at the
-        first chunk no tier holds, and the chunks below memory are promoted on threads. Until
-        the answer and the promotions are in, the request is asked about again: vLLM schedules
-        the others meanwhile. The chunks of the hit are protected from eviction from the first
-        call until they are pinned, so promotions never evict the request's own chunks."""
+        The engine's lookup (:meth:`Catalog.lookup`) finds the hit, promotes its chunks below
+        memory on threads and answers "pending" meanwhile: vLLM schedules the others. It never
+        waits while the engine has anything else to do (vLLM calls this inside the step that
+        serves every running request); a request that is all the engine has waits for its own
+        I/O at most IDLE_WAIT_S, as the empty step it would cost waits (see :meth:`_idle_wait`).
+        A hit is answered synchronously (its slots leased until vLLM allocates) or, see
+        :meth:`_load_async`, as vLLM's async load."""
         st = self._state(request)
         self._release_lease(st)
-        if not self.load_enabled or not st.lks:
+        lk = st.lookup
+        if not self.load_enabled or not lk.lks:
             return 0, False
-        if st.async_hit and not st.async_op:  # asked again before vLLM could allocate: same answer
+        if st.load is LoadPhase.ASYNC:  # asked again before vLLM could allocate: same answer
             if st.async_hit > num_computed:
                 st.load_start, st.load_tokens = num_computed, st.async_hit - num_computed
                 return st.load_tokens, True
@@ -204,157 +193,93 @@ class HpkvScheduler:
             return 0, False
         C = self.chunk_size
         first = num_computed // C
-        lks = st.lks
-        if not st.staged:
-            deadline = time.monotonic() + IDLE_WAIT_S  # see _wait_alone
-            if st.where is None:
-                st.where = self.catalog.locate_local(lks[first:], st.tenant)
-                st.looked_from = first
-                self.catalog.count_miss(sum(w != MEMORY for w in st.where))
-                gaps = [i for i, w in enumerate(st.where) if w is None]
-                arrival, st.arrival = st.arrival, None  # used once
-                if gaps and self.catalog.has_remote:
-                    st.probe_at = gaps
-                    st.probe = arrival.answer_for([first + i for i in gaps]) if arrival else None
-                    if st.probe is not None:
-                        self._counters["remote_checks_at_arrival"] += 1
-                    else:
-                        st.probe = self.catalog.probe_remote([lks[first + i] for i in gaps], st.tenant)
-                    st.staging_since = time.monotonic()
-            if st.probe is not None:
-                self._wait_alone([st.probe], deadline)
-                if not st.probe.done() and not self._gave_up(st):
-                    return None, False
-                names = st.probe.result() if st.probe.done() else [None] * len(st.probe_at)
-                for i, name in zip(st.probe_at, names, strict=True):
-                    st.where[i] = name
-                st.probe = None
-            if not st.stage_started:
-                first_ask = st.cut < 0
-                if first_ask:  # the hit ends at the first gap; its chunks are kept from eviction
-                    st.cut = st.where.index(None) if None in st.where else len(st.where)
-                    st.cut = self._cost_cut(request.request_id, st)
-                where = st.where[: st.cut]
-                if first_ask:
-                    st.tiers = {t: where.count(t) for t in [MEMORY, *self.catalog.tiers] if t in where}
-                    st.protected = lks[st.looked_from : st.looked_from + st.cut]
-                    self.catalog.protect(st.protected)
-                    if not st.staging_since:
-                        st.staging_since = time.monotonic()
-                need = [lk for lk, w in zip(st.protected, where, strict=True) if w != MEMORY]
-                if self.catalog.short_of_room(len(need)) and not self._waited(st, ROOM_WAIT_S):
-                    # Promotions that found no slot would cut the hit short, and under load the
-                    # engine would recompute the rest behind the backlog holding the slots.
-                    self._counters["lookups_waited_for_room"] += not st.waited_for_room
-                    st.waited_for_room = True
-                    return None, False
-                st.stage_started = True
-                if self._load_async(bool(need), st.hit_end(C) - num_computed):
-                    return self._answer_async(st, num_computed)
-                # Under load the reads start when this scheduling pass ends (see _answer_async).
-                st.staging = self.catalog.stage(need, st.tenant, defer=self._busy())
-            self._wait_alone(st.staging, deadline)
-            if st.staging and not all(f.done() for f in st.staging) and not self._gave_up(st):
-                return None, False
-            st.staged = True
-            if st.staging:
-                log.info("hpkv: %s", staged_line(st.staging, request.request_id, st.staging_since))
-                self._measure_reads(st, st.staging)
-                for name in self.catalog.tiers:  # what arrived (a failed promotion shortens the hit)
-                    if name in st.tiers:
-                        st.tiers[name] = sum(
-                            self.catalog.in_memory(lk)
-                            for lk, w in zip(st.protected, st.where, strict=False)
-                            if w == name
-                        )
-            st.staging = []
+        busy = self._busy()
+        was = (lk.phase, lk.waits, lk.waited_for_room)
+        answer = self.catalog.lookup(
+            lk,
+            first,
+            wait_until=None if busy else time.monotonic() + IDLE_WAIT_S,
+            defer=busy,
+            stream=lambda below, chunks: self._load_async(
+                below > 0, self._hit_end(st, chunks) - num_computed
+            ),
+        )
+        self._count_lookup(request.request_id, st, was)
+        if answer is None or not isinstance(answer, (Hit, Miss)):
+            return None, False
+        if isinstance(answer, Hit) and answer.streaming:
+            return self._answer_async(st, answer, num_computed)
         self._counters["lookups"] += 1
-        slots = self.catalog.pin(lks[first:])
-        self._unprotect(st)  # pinned now (what is in memory of it)
+        slots = answer.slots if isinstance(answer, Hit) else []
         hit = (first + len(slots)) * C
         if hit <= num_computed:
-            self.catalog.unpin(slots)
+            self.catalog.finish_load(slots)
             return 0, False
         hit = min(hit, st.prompt_len - 1)  # the engine must compute at least one token
         needed = -(-hit // C) - first
-        self.catalog.unpin(slots[needed:])
+        self.catalog.finish_load(slots[needed:])
         st.lease, st.lease_first = slots[:needed], first
+        st.to(LoadPhase.LEASED)
         st.load_start, st.load_tokens = num_computed, hit - num_computed
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, False
 
-    def _answer_async(self, st: ReqState, num_computed: int) -> tuple[int, bool]:
+    def _hit_end(self, st: ReqState, chunks: int) -> int:
+        """Where a hit of ``chunks`` chunks from the lookup's first ends, in tokens (the engine
+        computes at least the last one)."""
+        return min((st.lookup.first + chunks) * self.chunk_size, st.prompt_len - 1)
+
+    def _count_lookup(self, req_id: str, st: ReqState, was: tuple[Phase, int, bool]) -> None:
+        """Count and log what this ask of the engine's lookup did."""
+        lk = st.lookup
+        phase, waits, room = was
+        self._counters["lookups_waited_alone"] += lk.waits - waits
+        self._counters["lookups_waited_for_room"] += lk.waited_for_room and not room
+        if phase in (Phase.NEW, Phase.LOCATING) and lk.phase not in (Phase.NEW, Phase.LOCATING):
+            self._counters["remote_checks_at_arrival"] += lk.ahead_used
+            if lk.left_out:
+                self._counters["lookups_cut_by_cost"] += 1
+                self._counters["chunks_left_to_recompute"] += len(lk.left_out)
+                log.info(
+                    "hpkv: request %s: loading %d of %d chunks found, %d left to recompute (%s)",
+                    req_id,
+                    lk.chunks,
+                    lk.found,
+                    len(lk.left_out),
+                    lk.why_left,
+                )
+        if phase is Phase.STAGING and lk.phase is Phase.READY and lk.promotions:
+            log.info("hpkv: %s", staged_line(lk.promotions, req_id, lk.since))
+            self._memo.save(self.costs.export())
+
+    def _answer_async(self, st: ReqState, hit: Hit, num_computed: int) -> tuple[int, bool]:
         """Answer the hit now, as vLLM's async load (see :meth:`_load_async`); chunks below memory
-        are promoted meanwhile, and each is sent to the workers as soon as it is in memory (see
-        :meth:`_async_part`), so the reads of later chunks overlap the copies of earlier ones."""
-        C = self.chunk_size
-        first, hit = st.looked_from, st.hit_end(C)
-        if hit <= num_computed:
-            self._unprotect(st)
-            st.staged = True
+        are promoted meanwhile (their reads started when this scheduling pass ends), and each is
+        sent to the workers as soon as it is in memory (see :meth:`_async_part`), so the reads of
+        later chunks overlap the copies of earlier ones."""
+        end = self._hit_end(st, hit.chunks)
+        if end <= num_computed:
+            self._end_async(st)
             return 0, False
-        needed = -(-hit // C) - first
-        # The chunks below memory are promoted, their reads started when this scheduling pass ends
-        # (build_connector_meta): started now, they would slow the pass's other lookups (the GIL),
-        # and so the step it sends. On the H200 three such lookups in one pass took 12.5 ms, where a
-        # step goes 1.6 ms after the last report at the median.
-        wait_on: list[tuple[int, Future[bool] | None]] = []
-        for i, lk in enumerate(st.protected[:needed]):
-            futs = [] if self.catalog.in_memory(lk) else self.catalog.stage([lk], st.tenant, defer=True)
-            wait_on.append((i, futs[0] if futs else None))
-        st.async_wait = wait_on
-        st.staging = [f for _, f in wait_on if f is not None]
-        st.promotions = list(st.staging)
-        st.async_hit, st.staged = hit, True
-        st.load_start, st.load_tokens = num_computed, hit - num_computed
+        st.async_hit = end
+        st.to(LoadPhase.ASYNC)
+        st.load_start, st.load_tokens = num_computed, end - num_computed
         self._counters["lookups"] += 1
         self._counters["async_loads"] += 1
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, True
 
-    def _cost_cut(self, req_id: str, st: ReqState) -> int:
-        """How many chunks of the hit just cut at its first gap to load: the prefix whose loading
-        beats recomputing it by the measured rates (engine/costs.py); the rest is left to the
-        engine, counted and logged."""
-        found = st.cut
-        where = (st.where or [])[:found]
-        if not found or all(w == MEMORY for w in where):
-            return found
-        lks = st.lks[st.looked_from : st.looked_from + found]
-        sources = [
-            MEMORY if w == MEMORY else self.catalog.read_source(lk, w or "", st.tenant)
-            for lk, w in zip(lks, where, strict=True)
-        ]
-        st.sources = {lk: src for lk, src in zip(lks, sources, strict=True) if src != MEMORY}
-        plan = self.costs.plan(sources)
-        if plan.left:
-            st.left_out = set(lks[plan.load :])
-            self._counters["lookups_cut_by_cost"] += 1
-            self._counters["chunks_left_to_recompute"] += plan.left
-            log.info(
-                "hpkv: request %s: loading %d of %d chunks found, %d left to recompute (%s)",
-                req_id,
-                plan.load,
-                found,
-                plan.left,
-                plan.why,
-            )
-        return plan.load
-
-    def _measure_reads(self, st: ReqState, futures: list[Future[bool]]) -> None:
-        """The read rate each source of this load showed (see LoadCosts.promoted), kept."""
-        self.costs.promoted(futures, st.sources)
-        self._memo.save(self.costs.export())
-
     def _end_async(self, st: ReqState) -> None:
-        st.async_hit, st.async_wait, st.staging = 0, [], []
-        self._unprotect(st)
+        st.async_hit = 0
+        if st.load is LoadPhase.ASYNC:
+            st.to(LoadPhase.NONE)
+        self.catalog.release(st.lookup)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None:
             return
-        if st.async_hit and not st.async_op:
+        if st.load is LoadPhase.ASYNC:
             if num_external <= 0:  # vLLM kept its own (longer) hit
                 self._end_async(st)
                 return
@@ -364,20 +289,21 @@ class HpkvScheduler:
             st.async_op = self._new_op(
                 Op("load", [], remaining=self.world_size, tokens=st.load_tokens, req_id=request.request_id)
             )
+            st.to(LoadPhase.ASYNC_LOADING)
             self._async[request.request_id] = st
             st.next_store = max(st.next_store, (st.load_start + st.load_tokens) // self.chunk_size)
             return
         if num_external <= 0:
             self._release_lease(st)
-            st.pending_load = False
             return
-        st.load_tokens = min(st.load_tokens, num_external)
-        st.pending_load = True
+        if st.load is LoadPhase.LEASED:
+            st.load_tokens = min(st.load_tokens, num_external)
+            st.to(LoadPhase.SCHEDULED)
 
     # -- per step ---------------------------------------------------------------------
 
     def build_connector_meta(self, so: SchedulerOutput) -> HpkvMeta:
-        self.catalog.start_deferred()  # the reads of this pass's lookups (see Catalog.stage)
+        self.catalog.start_deferred()  # the reads of this pass's lookups (see Catalog.lookup's defer)
         computes = so.total_num_scheduled_tokens > 0
         meta = HpkvMeta(self.catalog.pool_paths, self.config.mem_pool_size, computes=computes)
         self.catalog.step_scheduled(computes)
@@ -408,62 +334,73 @@ class HpkvScheduler:
         return meta
 
     def _async_part(self, req_id: str, st: ReqState) -> LoadRequest | None:
-        """This step's part of an async load (see async_parts.py); the last part goes out once no
-        chunk is awaited; None when there is nothing new."""
+        """This step's part of an async load: the chunks that reached memory since the last part
+        (pinned by the engine, released when every rank has copied), and the blocks of those that
+        never will; the last part goes out once no chunk is awaited. None when there is nothing new."""
         op = self._ops[st.async_op]
-        part = next_part(
-            self.catalog,
-            st.async_wait,
-            st.lks,
-            st.looked_from,
-            st.block_ids,
-            (st.load_start, st.load_start + st.load_tokens),
-            (self.chunk_size, self.block_size),
-            give_up=st.finished or self._gave_up(st),
-            finished=st.finished,
-        )
-        op.slots.extend(c.slot for c in part.chunks)
-        op.tokens -= part.lost_tokens
-        st.async_wait = part.waiting
-        st.staging = [f for _, f in part.waiting if f is not None]
-        last = not part.waiting
-        if not part.chunks and not part.failed_blocks and not last:
+        lk = st.lookup
+        gone = st.load is LoadPhase.ABANDONED
+        got = self.catalog.arrivals(lk, give_up=gone, gone=gone)
+        C, bs = self.chunk_size, self.block_size
+        per_chunk = C // bs
+        start, end = st.load_start, st.load_start + st.load_tokens
+        chunks: list[ChunkLoad] = []
+        failed_blocks: list[int] = []
+        for i, slot in got.ready:
+            j = lk.first + i
+            lo, hi = max(j * C, start), min((j + 1) * C, end)
+            if hi <= lo:  # outside what vLLM asked for (its own prefix cache has it)
+                self.catalog.finish_load([slot])
+                continue
+            chunks.append(
+                ChunkLoad(
+                    slot, st.lks[j], st.block_ids[j * per_chunk : (j + 1) * per_chunk], lo - j * C, hi - lo
+                )
+            )
+        for i in got.failed:
+            j = lk.first + i
+            lo, hi = max(j * C, start), min((j + 1) * C, end)
+            blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
+            failed_blocks.extend(blocks[(lo - j * C) // bs : -(-(hi - j * C) // bs)])
+            op.tokens -= max(0, hi - lo)
+        op.slots.extend(c.slot for c in chunks)
+        last = not got.waiting
+        if not chunks and not failed_blocks and not last:
             return None
         if last:
             del self._async[req_id]
-            self._unprotect(st)
-            self._measure_reads(st, st.promotions)
+            self._memo.save(self.costs.export())
             log.info(
                 "hpkv: async load of request %s: %d chunks sent to the engine as they reached memory, "
                 "the last %.1f ms after the lookup%s",
                 req_id,
                 len(op.slots),
-                (time.monotonic() - st.staging_since) * 1e3,
-                f"; {len(part.failed_blocks)} blocks could not be read and are recomputed"
-                if part.failed_blocks
+                (time.monotonic() - lk.since) * 1e3,
+                f"; {len(failed_blocks)} blocks could not be read and are recomputed"
+                if failed_blocks
                 else "",
             )
         return LoadRequest(
             st.async_op,
             req_id,
-            part.chunks,
+            chunks,
             st.prompt_len,
             st.load_tokens,
-            st.tiers,
+            lk.tiers,
             asynchronous=True,
             last=last,
-            failed_blocks=[] if st.finished else part.failed_blocks,
-            since=st.staging_since,
+            failed_blocks=[] if gone else failed_blocks,
+            since=lk.since,
         )
 
     def _plan(self, meta: HpkvMeta, req_id: str, st: ReqState, computed_after: int) -> None:
         C, bs = self.chunk_size, self.block_size
         per_chunk = C // bs
-        if st.pending_load:
-            st.pending_load = False
+        if st.load is LoadPhase.SCHEDULED:
+            st.to(LoadPhase.NONE)
             chunks = st.leased_chunks(C, bs)
             op = self._new_op(Op("load", st.lease, remaining=self.world_size, tokens=st.load_tokens))
-            meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.tiers))
+            meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.lookup.tiers))
             st.lease = []  # now owned by the op, released when every rank has copied
             st.next_store = max(st.next_store, (st.load_start + st.load_tokens) // C)
         if not self.store_enabled or not st.lks:
@@ -473,23 +410,20 @@ class HpkvScheduler:
             j = st.next_store
             st.next_store += 1
             lk = st.lks[j]
-            if lk in self._pending_store or self.catalog.in_memory(lk):
-                continue
-            # A chunk storage holds is not written again, unless the hit left it to the engine as
-            # slower to read than to compute: the engine's KV of it then goes into memory, so the
-            # next hit loads it from there (the write-behind finds storage holding it).
-            if lk not in st.left_out and self.catalog.in_storage(lk):
-                continue
-            reserved = self.catalog.reserve()
-            if reserved is None:
+            # A chunk a slower tier holds is not written again, unless the hit left it to the
+            # engine as slower to read than to compute: the engine's KV of it then goes into
+            # memory, so the next hit loads it from there (the write-behind finds storage holding it).
+            reserved = self.catalog.begin_store(lk, st.tenant, rewrite=lk in st.lookup.left_out)
+            if reserved == NO_ROOM:
                 self._counters["stores_skipped_pool_full"] += 1
                 self._pool_full.skipped(req_id)
+                continue
+            if not isinstance(reserved, int):
                 continue
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
             op = self._new_op(
                 Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C, tenant=st.tenant)
             )
-            self._pending_store.add(lk)
             meta.stores.append(StoreChunk(op, reserved, lk, blocks))
 
     def _new_op(self, op: Op) -> int:
@@ -523,23 +457,22 @@ class HpkvScheduler:
                 continue
             del self._ops[op_id]
             if op.kind == "store":
-                self._pending_store.discard(op.lk)
-                if op.failed:
-                    self.catalog.abort(op.slots[0])
-                    self._counters["store_failures"] += 1
-                elif self.catalog.commit(op.lk, op.slots[0], op.tenant):
+                if self.catalog.finish_store(op.lk, op.slots[0], not op.failed, op.tenant):
                     self._counters["stored_tokens"] += op.tokens
+                elif op.failed:
+                    self._counters["store_failures"] += 1
             else:
-                self.catalog.unpin(op.slots)
                 st = self._reqs.get(op.req_id)
                 if st is not None and st.async_op == op_id:
                     st.async_op, st.async_hit = 0, 0  # a later lookup (preemption) pins from memory
+                    st.to(LoadPhase.NONE)
                 if op.failed:
+                    self.catalog.finish_load(op.slots)
                     self._counters["load_failures"] += 1
                 else:
                     # Bytes every rank copied (each its own shard of every chunk).
                     nbytes = len(op.slots) * self.catalog.payload_bytes * self.world_size
-                    self.catalog.count_load(len(op.slots), nbytes)
+                    self.catalog.finish_load(op.slots, loaded=len(op.slots), nbytes=nbytes)
                     self._counters["loaded_tokens"] += op.tokens
         self.stats_file.write(self.stats)
 
@@ -566,9 +499,10 @@ class HpkvScheduler:
         if st is not None:
             self._release_lease(st)
             if st.async_op and st.async_op in self._ops:
-                delay, st.finished = True, True
+                delay = True
+                st.to(LoadPhase.ABANDONED)
                 if request.request_id not in self._async:
-                    self._unprotect(st)
+                    self.catalog.release(st.lookup)
             else:
                 self._end_async(st)
         self.stats_file.write(self.stats)
@@ -581,19 +515,10 @@ class HpkvScheduler:
         log.info("hpkv: memory pool cleared (reset_external)")
         return True
 
-    def _gave_up(self, st: ReqState) -> bool:
-        """The request's tier I/O has taken too long: settle for what has arrived."""
-        return self._waited(st, STAGE_GIVE_UP_S)
-
-    def _waited(self, st: ReqState, limit: float) -> bool:
-        return bool(st.staging_since) and time.monotonic() - st.staging_since > limit
-
     def _idle_wait(self) -> None:
         pending: list[Future[Any]] = []
         for st in list(self._reqs.values()):
-            if st.probe is not None and not st.probe.done():
-                pending.append(st.probe)
-            pending.extend(f for f in st.staging if not f.done())
+            pending.extend(st.lookup.pending_io())
         if pending and not self._async:
             wait(pending, timeout=IDLE_WAIT_S, return_when=ALL_COMPLETED)
         elif pending:  # an async load: wake for the first arrival, and take what follows it shortly
@@ -607,14 +532,12 @@ class HpkvScheduler:
         storage or valkey, or that is found while the engine has any other request.
 
         A synchronous load is copied inside the step that admits the request, and that step's
-        compute waits for it: on the H200 ~9 ms per 448 MiB hit, several hits admitted together
-        stacking up, for every request in the step. A slow hit async sends each chunk to the
-        engine as it arrives, so its copies overlap the reads: with CUDA graphs a storage hit of a
-        request alone took 79.3 ms against 90.3 ms "ask again" (H200, 24 prompts each). A memory
-        hit alone keeps the synchronous load (no reads to overlap, and one engine step less), as
-        does a load shorter than a chunk (the tail after vLLM's own prefix-cache hit, the
-        commonest: async, it cost such a request 30 ms on the H200, and its copy is a fraction of
-        a millisecond)."""
+        compute, every running request's next token included, waits for it (several hits admitted
+        together stack up). A slow hit async sends each chunk to the engine as it arrives, so its
+        copies overlap the reads. A memory hit alone keeps the synchronous load (no reads to
+        overlap, and one engine step less), as does a load shorter than a chunk (the tail after
+        vLLM's own prefix-cache hit, the commonest: its copy is far shorter than the engine step
+        an async load adds)."""
         mode = self.config.async_load
         if mode == "auto":
             return self.gpu and tokens >= self.chunk_size and (slow or self._busy())
@@ -624,28 +547,12 @@ class HpkvScheduler:
         """Another request is known (queued, running or loading), or a computing step is out."""
         return len(self._reqs) != 1 or self.catalog.engine_busy_now
 
-    def _wait_alone(self, futs: list[Future[Any]], deadline: float) -> None:
-        """Wait for a lookup's pending I/O until ``deadline`` if the request looked up is all the engine
-        has: no other request known (queued, running or loading) and no computing step out. Else
-        return at once. "Ask again" would cost such a request an empty step that waits the same way
-        (see :meth:`_idle_wait`), and there is no other request whose step either wait could delay."""
-        if self._busy():  # under load: no list, no clock
-            return
-        pending = [f for f in futs if not f.done()]
-        left = deadline - time.monotonic()
-        if pending and left > 0:
-            self._counters["lookups_waited_alone"] += 1
-            wait(pending, timeout=left, return_when=ALL_COMPLETED)
-
-    def _unprotect(self, st: ReqState) -> None:
-        if st.protected:
-            self.catalog.unprotect(st.protected)
-            st.protected = []
-
     def _release_lease(self, st: ReqState) -> None:
         if st.lease:
-            self.catalog.unpin(st.lease)
+            self.catalog.finish_load(st.lease)
             st.lease = []
+        if st.load in (LoadPhase.LEASED, LoadPhase.SCHEDULED):
+            st.to(LoadPhase.NONE)
 
     # -- observability ---------------------------------------------------------------
 
@@ -653,7 +560,7 @@ class HpkvScheduler:
         """Counters, plus ``pending``: work whose counters are still to come (loads and stores the
         workers have not reported, lookups staging). A reader that waits for ``pending == 0`` in a
         file written after its request sees every count of that request (bench.server.settled_stats)."""
-        staging = sum(1 for st in list(self._reqs.values()) if st.staging or st.probe is not None)
+        staging = sum(1 for st in list(self._reqs.values()) if st.lookup.pending_io())
         return {
             "tiers": self.catalog.stats(),
             "connector": dict(self._counters),

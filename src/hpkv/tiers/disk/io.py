@@ -247,9 +247,8 @@ def in_page_cache(path: str) -> bool:
 
 def _all_cached(fd: int, size: int) -> bool:
     """Whether every page of the file's first ``size`` bytes is in the page cache (False when the
-    kernel will not say). Asks ``cachestat`` (one call, about 2 µs for a 14 MiB file) where the
-    kernel has it, else ``mincore`` on a mapping (a lookup per page: 0.3 ms for the same file, a
-    third of the time its read from the page cache takes)."""
+    kernel will not say). Asks ``cachestat`` (one call per file) where the kernel has it, else
+    ``mincore`` on a mapping (a lookup per page, far slower for large files, but no read)."""
     global _cachestat_works
     libc = _load_libc()
     if not libc:

@@ -68,8 +68,6 @@ class StorageTier:
         self._reader = Reader(o_direct)
         self.direct_writes = direct_writes
         self._direct_writes = 0  # records whose whole pages went with O_DIRECT
-        self._child_reads = 0  # records the I/O process read and checked (HPKV_IO_PROCESS)
-        self._child_cached = 0  # of those, read whole from the page cache
         self._lock = threading.Lock()
         self._stats = TierStats()
         self._index = DiskIndex(capacity)
@@ -223,14 +221,10 @@ class StorageTier:
         self.count_hit(key)
         return True
 
-    def count_hit(self, key: bytes, *, by_child: bool = False, cached: bool = False) -> None:
-        """``key``'s record was read and checked whole, here or (``by_child``) by the I/O process,
-        which says whether it came whole from the page cache (``cached``: counted as this tier's own
-        reads are)."""
+    def count_hit(self, key: bytes) -> None:
+        """``key``'s record was read and checked whole."""
         with self._lock:
             self._index.touch(key)
-            self._child_reads += by_child
-            self._child_cached += cached
         self._stats.add("hits")
         self._stats.add("bytes_read", self.payload_bytes)
 
@@ -319,9 +313,8 @@ class StorageTier:
             capacity_bytes=cap,
             chunks=count,
             o_direct=int(self._reader.direct),
-            page_cache_reads=self._reader.cached_reads + self._child_cached,
+            page_cache_reads=self._reader.cached_reads,
             direct_writes=self._direct_writes,
-            io_process_reads=self._child_reads,
         )
 
     def count(self, name: str, n: int = 1) -> None:

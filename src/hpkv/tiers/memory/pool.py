@@ -286,9 +286,9 @@ class ShmPool:
 
     def _borrow(self) -> ShmPool:
         """A handle on this pool's own mapping, for another part of this process: no second mapping,
-        whose pages would each fault again on first touch (a read from the page cache into such a
-        page ran at 2.3-2.7 GB/s here against 15.5-18.2 into mapped ones; a page-locked pool is
-        mapped whole) and whose prefault would spend a core at start. ``close()`` on it only lets
+        whose pages would each fault again on first touch (a read into a page not yet mapped runs
+        several times slower than into a mapped one; a page-locked pool is mapped whole) and whose
+        prefault would spend a core at start. ``close()`` on it only lets
         go; the mapping stays until the last view of it is dropped."""
         return ShmPool._handle(self.path, self.size, self._mm)
 
@@ -396,8 +396,8 @@ def check_holds_a_chunk(size: int, slot: int, chunk_tokens: int, where: str, exa
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
-    """Map the pool shared, asking for huge pages: the first touch of a 4 KiB page costs ~10 µs
-    in a VM with nested paging (measured here: 64 MiB in 0.19 s; 0.02 s with MADV_HUGEPAGE),
+    """Map the pool shared, asking for huge pages: the first touch of a 4 KiB page costs
+    microseconds in a VM with nested paging, an order of magnitude more than a huge page's share,
     which would otherwise dominate the first store into each slot."""
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_HUGEPAGE"):

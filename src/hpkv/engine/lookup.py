@@ -1,0 +1,180 @@
+"""The engine's lookup: one request's prompt chunks, what the engine found for them, and the answer.
+
+An integration makes a :class:`Lookup` per request (its chunk keys and tenant) and asks
+:meth:`hpkv.engine.catalog.Catalog.lookup` about it, as often as it likes; each answer is one of
+
+* :class:`Miss`: no chunk from the asked position on is held anywhere (the engine computes);
+* :class:`Pending`: tier I/O is still running (the remote tiers' existence check, promotions, or
+  a wait for pool room); ask again, the engine never blocks the caller for it unless told to;
+* :class:`Hit`: ``chunks`` chunks from ``first`` are in memory and pinned for the caller
+  (``slots``), to be released by :meth:`Catalog.finish_load`; or, for a streamed hit
+  (``streaming``), the chunks are handed out as each reaches memory by :meth:`Catalog.arrivals`.
+
+The lookup's phases are :class:`Phase`; :meth:`Lookup.to` refuses a transition the engine does not
+make, so a bug shows as an error, not as a pin that is never released. A lookup holds protection
+(see :mod:`hpkv.engine.memory`) from FOUND until it is pinned or released; :meth:`Catalog.release`
+ends it in any phase.
+
+Thread contract: a Lookup is driven by one thread at a time (vLLM's scheduler thread; a library
+caller's thread); the futures it holds settle on the engine's I/O threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpkv.core.keys import SHARED_TENANT
+
+# A remote existence check made ahead of the lookup (see Catalog.look_ahead) is used only if it is
+# at most this old: another engine may have stored the chunks since.
+AHEAD_FRESH_S = 2.0
+
+
+class Phase(enum.Enum):
+    NEW = "new"  # keys known; nothing asked yet
+    LOCATING = "locating"  # memory and local tiers asked; the remote tiers' answer is awaited
+    FOUND = "found"  # the hit is cut and protected; its promotions have not started (room)
+    STAGING = "staging"  # the hit's chunks below memory are being promoted
+    STREAMING = "streaming"  # answered; chunks are handed out as each reaches memory
+    READY = "ready"  # what arrived is in memory; each ask pins it afresh
+    DONE = "done"  # released: nothing protected, nothing awaited
+
+
+ALLOWED: dict[Phase, frozenset[Phase]] = {
+    Phase.NEW: frozenset({Phase.LOCATING, Phase.FOUND, Phase.DONE}),
+    Phase.LOCATING: frozenset({Phase.FOUND, Phase.DONE}),
+    Phase.FOUND: frozenset({Phase.STAGING, Phase.STREAMING, Phase.READY, Phase.DONE}),
+    Phase.STAGING: frozenset({Phase.READY, Phase.DONE}),
+    Phase.STREAMING: frozenset({Phase.READY, Phase.DONE}),
+    Phase.READY: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A lookup was moved to a phase its current one cannot lead to (a bug in the caller or engine)."""
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Nothing to load from the asked position on."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Tier I/O still runs; ask again. ``why``: "remote" (existence check), "room" (pool slots
+    others hold for a while), "promotions"."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Hit:
+    """``chunks`` chunks from chunk ``first`` on. ``slots``: their pinned memory slots (empty for a
+    streamed hit, whose chunks come from :meth:`Catalog.arrivals`); the caller releases them
+    with :meth:`Catalog.finish_load`. ``tiers``: chunks of the hit per tier that held them when
+    found (after staging: per tier, those that arrived)."""
+
+    first: int
+    chunks: int
+    slots: list[int] = field(default_factory=list)
+    tiers: dict[str, int] = field(default_factory=dict)
+    streaming: bool = False
+
+
+Answer = Hit | Pending | Miss
+
+
+@dataclass
+class Arrivals:
+    """One look at a streamed hit: the chunks (index in the hit, pinned slot) that reached memory
+    since the last look, the indexes of those that never will (a failed promotion, I/O given up, the
+    request gone; every chunk after the first failure fails too), and how many are still read."""
+
+    ready: list[tuple[int, int]] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    waiting: int = 0
+
+
+Names = list[str | None]  # per chunk asked: the remote tier that holds it, or None
+
+
+@dataclass
+class Ahead:
+    """The remote tiers' existence check made when the request was queued, for the chunks at
+    ``chunks`` (indexes into the prompt's chunks)."""
+
+    answer: Future[Names]
+    chunks: list[int]
+    since: float = field(default_factory=time.monotonic)
+
+    def answer_for(self, chunks: list[int]) -> Future[Names] | None:
+        """The answer for ``chunks``, if this check asked about all of them and is recent."""
+        if time.monotonic() - self.since > AHEAD_FRESH_S:
+            return None
+        at = {c: j for j, c in enumerate(self.chunks)}
+        if any(c not in at for c in chunks):  # a chunk left the local tiers since
+            return None
+
+        def pick(f: Future[Names]) -> Names:
+            names = f.result()
+            return [names[at[c]] for c in chunks]
+
+        out: Future[Names] = Future()
+        if self.answer.done():
+            out.set_result(pick(self.answer))
+            return out
+
+        def settle(f: Future[Names]) -> None:
+            try:
+                out.set_result(pick(f))
+            except Exception:  # cancelled or failed: absent, as a failed check answers
+                out.set_result([None] * len(chunks))
+
+        self.answer.add_done_callback(settle)
+        return out
+
+
+@dataclass
+class Lookup:
+    """One request's lookup. Fields after ``tenant`` belong to the engine."""
+
+    lks: list[bytes]
+    tenant: str = SHARED_TENANT
+    phase: Phase = Phase.NEW
+    first: int = 0  # the chunk the lookup looked from
+    where: list[str | None] = field(default_factory=list)  # per chunk from ``first``: its tier
+    probe: Future[Names] | None = None  # the remote tiers' answer for the local gaps
+    probe_at: list[int] = field(default_factory=list)
+    ahead: Ahead | None = None
+    ahead_used: bool = False  # the first ask used the check made ahead
+    protected: list[bytes] = field(default_factory=list)  # the hit's chunks, kept from eviction
+    tiers: dict[str, int] = field(default_factory=dict)
+    since: float = 0.0  # when tier I/O for it began (time.monotonic; 0.0: none)
+    waited_for_room: bool = False
+    waits: int = 0  # asks that waited for the lookup's own I/O (Catalog.lookup's wait_until)
+    staging: list[Future[bool]] = field(default_factory=list)  # promotions still running
+    promotions: list[Future[bool]] = field(default_factory=list)  # every promotion of the hit
+    sources: dict[bytes, str] = field(default_factory=dict)  # where each chunk below memory is read
+    found: int = 0  # chunks found before the cost cut
+    chunks: int = 0  # chunks of the hit after the cut (kept once it is no longer protected)
+    left_out: set[bytes] = field(default_factory=set)  # chunks of the hit left to recompute
+    why_left: str = ""  # the cost model's reason (its rates)
+    awaited: list[tuple[int, Future[bool] | None]] = field(default_factory=list)  # streamed chunks
+
+    def to(self, phase: Phase) -> None:
+        if phase not in ALLOWED[self.phase]:
+            raise IllegalTransition(f"a lookup cannot go from {self.phase.value} to {phase.value}")
+        self.phase = phase
+
+    def pending_io(self) -> list[Future[Any]]:
+        """The futures of its tier I/O still running (for a caller that waits for any of them)."""
+        out: list[Future[Any]] = []
+        if self.probe is not None and not self.probe.done():
+            out.append(self.probe)
+        out.extend(f for f in self.staging if not f.done())
+        return out
