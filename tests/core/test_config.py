@@ -219,3 +219,15 @@ def test_remote_url_forms_and_no_password_echo() -> None:
         HpkvConfig.load({"remote_url": "valkey://alice:topsecret@h:99999"}, env={})
     assert "topsecret" not in str(e.value) and "99999" in str(e.value)
     assert "topsecret" not in repr(HpkvConfig.load({"remote_url": "valkey://a:topsecret@h:1"}, env={}))
+
+
+def test_the_readme_gives_every_setting_one_line() -> None:
+    """README's settings table: one row per setting, each a single line, nothing else."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = re.findall(r"^\| `(HPKV_\w+)` \| (.*) \|$", readme, re.M)
+    names = [name for name, _ in rows]
+    assert sorted(names) == sorted(HpkvConfig.env_names().values())
+    assert all(len(what) < 160 for _, what in rows)
