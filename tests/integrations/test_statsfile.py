@@ -6,7 +6,7 @@ import os
 import threading
 from typing import Any
 
-from hpkv.integrations.vllm.statsfile import StatsFile, read_all
+from hpkv.integrations.statsfile import StatsFile, read_all
 
 
 def test_a_link_at_the_temp_name_is_not_followed_and_a_fifo_is_skipped(tmp_path: Any) -> None:

@@ -10,6 +10,7 @@ compares the host pool's bytes.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -226,3 +227,46 @@ def test_hybrid_models_extra_pools_are_refused_by_name(storage_dir: str, shm_dir
             r.backend.register_mem_host_pool_v2(object(), "mamba")
     finally:
         r.close()
+
+
+def test_the_servers_counters_reach_hpkv_stats(storage_dir: str, shm_dir: str) -> None:
+    """A running SGLang server's hpkv counters are readable from outside it: the pages SGLang wrote
+    and read, and each tier's hits, in the stats file ``hpkv stats`` reads; gone once detached."""
+    from hpkv.integrations.statsfile import read_all
+
+    r = h.rig("dynamic", h.hpkv_extra(settings(storage_dir, shm_dir)))
+    try:
+        toks = h.tokens(4, seed=21)
+        idx, _ = h.fill_host(r, 4, seed=22)
+        assert h.backup(r, toks, idx) == 4 * h.PAGE
+        r.backend.flush()
+        assert h.prefetch(r, toks).loaded_tokens == 4 * h.PAGE
+        deadline = time.monotonic() + 5
+        while True:  # the file is refreshed in the background
+            docs = read_all(shm_dir)
+            if (docs and docs[0]["connector"]["read"] == 4) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert len(docs) == 1 and docs[0]["pid"] == os.getpid() and docs[0]["engine"] == "sglang"
+        assert docs[0]["connector"] == {"looked_up": 4, "found": 4, "read": 4, "written": 4}
+        assert docs[0]["tiers"]["storage"]["hits"] == 4
+    finally:
+        r.close()
+    assert read_all(shm_dir) == []
+
+
+def test_a_config_without_the_writer_and_dcp_fields_is_accepted(storage_dir: str, shm_dir: str) -> None:
+    """SGLang 0.5.17's HiCacheStorageConfig (its fields exactly) has no is_storage_writer, dcp_rank or
+    dcp_size: the backend attaches, and every rank writes its own pages, as it does there."""
+    from types import SimpleNamespace
+
+    from hpkv.integrations.sglang.backend import HpkvHiCacheStorage
+
+    config_0517 = SimpleNamespace(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1, is_mla_model=False,
+        enable_storage_metrics=False, is_page_first_layout=True, model_name="demo/model", tp_lcm_size=None,
+        should_split_heads=False, extra_config={"hpkv": settings(storage_dir, shm_dir)},
+    )  # fmt: skip
+    backend = HpkvHiCacheStorage(config_0517)
+    assert backend.writer is True
+    backend.close()

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hpkv.core.procs import stop_group
+from hpkv.integrations.statsfile import read_all
 from hpkv.integrations.vllm.launch import serve_env, vllm_command
-from hpkv.integrations.vllm.statsfile import read_all
 
 # The worker's per-load line (integrations/vllm/worker.py, _log_load).
 LOAD_LINE = re.compile(r"hpkv: Retrieved (\d+) out of .*? throughput: ([\d.]+) GB/s \(([^)]*)\)")

@@ -22,12 +22,16 @@ write-behind to storage and Valkey. Nothing here repeats that logic.
 Settings: the ``HPKV_*`` variables as for vLLM, overridden by the mapping under ``"hpkv"`` in
 ``--hicache-storage-backend-extra-config``. The memory tier is off unless set
 (``HPKV_KV_MEM_POOL_SIZE``): SGLang's host pool already holds recent pages in RAM.
+
+Counters: each SGLang scheduler process writes them to a small JSON file in the pool directory
+(``HPKV_SHARE_MEM_FILE_PATH``), which ``hpkv stats`` reads, as for vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,6 +44,7 @@ from hpkv.core.keys import digest, text_bytes
 from hpkv.core.layout import KVLayout
 from hpkv.engine.catalog import MEMORY, STORAGE
 from hpkv.engine.store import KVStore
+from hpkv.integrations.statsfile import Refresher, StatsFile
 
 log = logging.getLogger("hpkv")
 
@@ -81,8 +86,15 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "hpkv's SGLang backend does not split heads across a heterogeneous TP size "
                 "(tp_lcm_size in --hicache-storage-backend-extra-config); remove tp_lcm_size"
             )
-        self.writer = storage_config.is_storage_writer
+        # SGLang before 0.5.23 has no storage-writer flag or decode context parallelism: every rank
+        # writes its own shard.
+        self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.store: KVStore | None = None
+        self._stats_file: StatsFile | None = None
+        self._refresher: Refresher | None = None
+        # SGLang's prefetch and backup threads call in at once.
+        self.pages = {"looked_up": 0, "found": 0, "read": 0, "written": 0}
+        self._pages_lock = threading.Lock()
         self.host: Any = None
         self._page_bytes = 0
 
@@ -133,7 +145,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 f"shape says ({type(host).__name__}); hpkv's SGLang backend supports MHA and MLA pools"
             )
         if sc.is_mla_model:  # one shard, the same on every TP rank (DCP: one per DCP rank)
-            rank, world = sc.dcp_rank, sc.dcp_size
+            rank, world = int(getattr(sc, "dcp_rank", 0)), int(getattr(sc, "dcp_size", 1))
         else:
             rank, world = sc.tp_rank, sc.tp_size
         model_id = (
@@ -141,6 +153,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             f"|cp={sc.attn_cp_rank}/{sc.attn_cp_size}"
         )
         store = KVStore(config, kv, model_id=model_id, rank=rank, world_size=world)
+        self._publish(config.share_mem_file_path, model_id)
         if sc.tp_rank == 0:
             log.info(
                 "hpkv: SGLang L3 backend ready: tiers %s, page %d tokens (%.2f MiB), %s layout, %s%s",
@@ -152,6 +165,44 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
                 "" if self.writer else " (reads only: not this MLA group's storage writer)",
             )
         return store
+
+    def _publish(self, directory: str, model_id: str) -> None:
+        """Counters for ``hpkv stats`` and tests outside SGLang's scheduler process: the same
+        per-process JSON file vLLM's connector writes, refreshed in the background."""
+        self._stop_publishing()
+        try:
+            self._stats_file = StatsFile.for_pool_dir(directory, model_id)
+        except OSError as e:  # counters are not worth refusing to serve
+            log.warning("hpkv: no stats file under %s (%s): `hpkv stats` will not list it", directory, e)
+            return
+        self._stats_file.write(self._stats_doc, force=True)
+        self._refresher = Refresher(self._stats_file, self._stats_doc, lambda: False)
+
+    def _count(self, **pages: int) -> None:
+        with self._pages_lock:
+            for k, n in pages.items():
+                self.pages[k] += n
+
+    def _stats_doc(self) -> dict[str, Any]:
+        store = self.store
+        return {
+            "engine": "sglang",
+            "ranks": int(self.storage_config.tp_size),
+            "tiers": store.stats() if store is not None else {},
+            "connector": self._pages_now(),
+        }
+
+    def _pages_now(self) -> dict[str, int]:
+        with self._pages_lock:
+            return dict(self.pages)
+
+    def _stop_publishing(self) -> None:
+        if self._refresher is not None:
+            self._refresher.stop()
+            self._refresher = None
+        if self._stats_file is not None:
+            self._stats_file.remove()
+            self._stats_file = None
 
     def _need_store(self) -> KVStore:
         if self.store is None:
@@ -179,7 +230,9 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page.copy_(payload.view(dtype).view(page.shape))
 
         # SGLang asked batch_exists for these pages just before: read them without asking again.
-        return _leading(self._need_store().load_chunks(_page_keys(keys), consume, probe=False), len(keys))
+        n = self._need_store().load_chunks(_page_keys(keys), consume, probe=False)
+        self._count(read=n)
+        return _leading(n, len(keys))
 
     def batch_set_v1(
         self,
@@ -195,7 +248,9 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page = self._page(host_indices, i)
             payload.view(dtype).view(page.shape).copy_(page)
 
-        return _leading(self._need_store().store_chunks(_page_keys(keys), produce), len(keys))
+        n = self._need_store().store_chunks(_page_keys(keys), produce)
+        self._count(written=n)
+        return _leading(n, len(keys))
 
     # -- lookups ----------------------------------------------------------------------------
 
@@ -204,7 +259,9 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if not keys:
             return 0
         located = self._need_store().locate_keys(_page_keys(keys))
-        return located.index(None) if None in located else len(located)
+        n = located.index(None) if None in located else len(located)
+        self._count(looked_up=len(keys), found=n)
+        return n
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -234,6 +291,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             targets[i].view(torch.uint8).view(-1).copy_(payload)
 
         n = self._need_store().load_chunks(_page_keys(keys), consume, probe=False)
+        self._count(read=n)
         return [targets[i] if i < n else None for i in range(len(keys))]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -257,7 +315,9 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         def produce(i: int, payload: torch.Tensor) -> None:
             payload.copy_(vals[i].contiguous().view(torch.uint8).view(-1))
 
-        return self._need_store().store_chunks(_page_keys(keys), produce) == len(keys)
+        n = self._need_store().store_chunks(_page_keys(keys), produce)
+        self._count(written=n)
+        return n == len(keys)
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
         return self.batch_set([key], [value])
@@ -282,6 +342,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.store.flush()
 
     def close(self) -> None:
+        self._stop_publishing()
         if self.store is not None:
             self.store.close()
             self.store = None

@@ -2,7 +2,7 @@
 
 The counters live in the scheduler process; ``/metrics`` is served by the API
 server process. The plugin installs, in every process, a collector that reads
-the engines' stats files (see :mod:`hpkv.integrations.vllm.statsfile`) when
+the engines' stats files (see :mod:`hpkv.integrations.statsfile`) when
 Prometheus scrapes, so the numbers are fresh and nothing crosses processes
 but JSON.
 """
@@ -28,7 +28,7 @@ def install_collector() -> None:
         return
 
     from hpkv.core.config import HpkvConfig
-    from hpkv.integrations.vllm.statsfile import read_all
+    from hpkv.integrations.statsfile import read_all
 
     try:
         path = HpkvConfig.from_env().share_mem_file_path

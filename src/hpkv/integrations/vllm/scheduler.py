@@ -20,11 +20,11 @@ from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import MEMORY, NO_ROOM, Catalog
 from hpkv.engine.costs import RateMemo
 from hpkv.engine.lookup import Hit, Lookup, Miss, Phase
+from hpkv.integrations.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.logs import PoolFullLog, staged_line
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.reqstate import LoadPhase, Op, ReqState
-from hpkv.integrations.vllm.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.stepclock import StepClock
 from hpkv.integrations.vllm.steptrace import StepTrace
 
