@@ -10,7 +10,7 @@ PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/nul
 SGL := .venv-sglang
 SGL_STAMP := $(SGL)/.installed-$(shell cat requirements-sglang.txt 2>/dev/null | cksum | cut -d' ' -f1)
 
-.PHONY: serve-demo venv sglang test-sglang bench-sglang test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
+.PHONY: serve-demo venv sglang test-sglang bench-sglang test test-unit test-e2e test-gpu test-gpu-e2e test-gpu-tp2 test-gpu-sglang bench-gpu-sglang lint demo compare peers bench-tiers bench-valkey bench-gpu tls-server clean
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -110,6 +110,14 @@ test-gpu-tp2:
 
 bench-gpu:
 	PYTHONPATH=src:. python3 -m bench.gpu
+
+# On the H200 with SGLang carried there (scripts/sglang-gpu/prepare.sh's header): hpkv under a real SGLang
+# server, then the seed's table on SGLang next to HiCache without L3 and with SGLang's file backend.
+test-gpu-sglang:
+	. scripts/sglang-gpu/env.sh && python3 -m pytest -q -p no:cacheprovider tests/gpu_sglang
+
+bench-gpu-sglang:
+	. scripts/sglang-gpu/env.sh && python3 -m hpkv.cli.main bench ttft --engine sglang --out out/ttft-sglang
 
 clean:
 	rm -rf $(VENV) $(PEERS) out .pytest_cache .mypy_cache .ruff_cache

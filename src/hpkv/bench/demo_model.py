@@ -115,8 +115,11 @@ def default_dtype() -> str:
     return "bfloat16" if ("avx512_bf16" in flags or "amx_bf16" in flags) else "float32"
 
 
-def write_demo_model(path: str, size: str = "tiny", seed: int = 0, dtype: str | None = None) -> DemoModel:
-    """Write config, random weights (safetensors) and tokenizer files to ``path``."""
+def write_demo_model(
+    path: str, size: str = "tiny", seed: int = 0, dtype: str | None = None, *, weights: bool = True
+) -> DemoModel:
+    """Write config, random weights (safetensors) and tokenizer files to ``path``; ``weights=False``
+    leaves the weights out, for an engine that makes random ones itself (``--load-format dummy``)."""
     import importlib
 
     import torch
@@ -156,6 +159,11 @@ def write_demo_model(path: str, size: str = "tiny", seed: int = 0, dtype: str | 
         **SIZES[size],
     )
     cfg = transformers.Qwen2Config(**kwargs)
+    if not weights:
+        cfg.save_pretrained(path)
+        with open(os.path.join(path, "hpkv-words.txt"), "w") as f:
+            f.write("\n".join(words) + "\n")
+        return DemoModel(path, tuple(words))
     torch.manual_seed(seed)
     # Built where it is fastest: 7B random weights take seconds on a GPU, minutes on a CPU.
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -45,6 +45,11 @@ def _main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo-model", help="write a random-weight Qwen2 model and tokenizer (offline)")
     d.add_argument("dir")
     d.add_argument("--size", choices=list(SIZES), default="small")
+    d.add_argument(
+        "--config-only",
+        action="store_true",
+        help="config and tokenizer, no weights: for an engine's random weights (--load-format dummy)",
+    )
 
     st = sub.add_parser("stats", help="per-tier counters of running engines")
     st.add_argument("--dir", default=None, help="pool directory (default: HPKV_SHARE_MEM_FILE_PATH)")
@@ -104,8 +109,9 @@ def _main(argv: list[str] | None = None) -> int:
     if a.cmd == "demo-model":
         from hpkv.bench.demo_model import write_demo_model
 
-        m = write_demo_model(a.dir, a.size)
-        print(f"wrote a random-weight Qwen2 ({a.size}) and a tokenizer to {m.path}")
+        m = write_demo_model(a.dir, a.size, weights=not a.config_only)
+        what = "a Qwen2 config" if a.config_only else "a random-weight Qwen2"
+        print(f"wrote {what} ({a.size}) and a tokenizer to {m.path}")
         return 0
     if a.cmd == "stats":
         return _stats(a.dir, a.json)
@@ -130,9 +136,14 @@ def _main(argv: list[str] | None = None) -> int:
             from hpkv.bench.serve import main as serve_bench_main
 
             return serve_bench_main(a.rest)
+        rest, engine = _engine(a.rest)
+        if engine == "sglang":
+            from hpkv.bench.sglang_ttft import main as sglang_ttft_main
+
+            return sglang_ttft_main(rest)
         from hpkv.bench.ttft import main as ttft_main
 
-        return ttft_main(a.rest)
+        return ttft_main(rest)
     return 2  # pragma: no cover
 
 
@@ -144,8 +155,26 @@ def _config() -> HpkvConfig:
     return HpkvConfig.from_env()
 
 
+def _engine(rest: list[str]) -> tuple[list[str], str]:
+    """``--engine vllm|sglang`` taken out of ``hpkv bench ttft``'s arguments (default: vllm)."""
+    out, engine, i = [], "vllm", 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--engine" and i + 1 < len(rest):
+            engine, i = rest[i + 1], i + 2
+            continue
+        if arg.startswith("--engine="):
+            engine = arg.split("=", 1)[1]
+        else:
+            out.append(arg)
+        i += 1
+    if engine not in ("vllm", "sglang"):
+        raise SystemExit(f"hpkv bench ttft: --engine {engine!r} is not one of vllm, sglang")
+    return out, engine
+
+
 def _stats(directory: str | None, as_json: bool) -> int:
-    from hpkv.integrations.vllm.statsfile import read_all
+    from hpkv.integrations.statsfile import read_all
 
     path = directory or _config().share_mem_file_path
     docs = read_all(path)

@@ -1,0 +1,451 @@
+"""``hpkv bench ttft --engine sglang``: the seed's TTFT table on an SGLang server, each row proven by
+SGLang's own report of where the cached prefix came from and, for hpkv, by hpkv's counters.
+
+    hpkv bench ttft --engine sglang [--model DIR | --size 7b] [--tokens 8192] [--prompts 4]
+                    [--compare none,hpkv,file] [--scenarios ...] [--out DIR]
+
+Every system is SGLang with HiCache (device KV, then its host pool) and the same flags; they differ
+in L3: ``none`` (no L3), ``file`` (SGLang's own file backend) and ``hpkv`` (hpkv's storage and Valkey
+tiers through SGLang's ``dynamic`` loader; hpkv's memory tier stays off, SGLang's host pool is the
+memory tier). The device pool holds one and a half prompts (``--max-total-tokens``), so the host pool,
+not the device, serves a prompt sent again later. Rows, in order, on one server per system:
+
+    prefill       each prompt cold
+    gpu           the same prompt at once again: the device radix cache
+    host          every prompt again, oldest first: evicted from the device, in SGLang's host pool
+    storage       after a restart (device and host empty): L3, its files in the OS page cache
+    storage-cold  POST /flush_cache and L3's files dropped from the page cache: the device itself
+    mixed         POST /flush_cache, the first half of each prompt sent first: that half from
+                  device or host, the rest from L3
+    valkey        (hpkv) after a restart with the storage directory emptied: the Valkey tier
+
+A row counts only if SGLang's ``cached_tokens_details`` puts the prefix in the claimed tier for
+every request (and, for hpkv, its tier counters show one read per page); otherwise it is INVALID
+with the reason. Load rate = L3 bytes per prompt / (median TTFT - median GPU-hit TTFT), set against
+references measured in this run on the same data: a raw read of the system's own page files (warm, and
+O_DIRECT after dropping them) and a raw GLIDE GET loop over its Valkey keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps
+from hpkv.bench.server import ServerError, bench_env, first_error
+from hpkv.bench.sglang_server import BACKENDS, Reply, SGLangServer, tier_count
+from hpkv.core.config import HpkvConfig
+
+SCENARIOS = ("prefill", "gpu", "host", "storage", "storage-cold", "mixed", "valkey")
+L3_ROWS = ("storage", "storage-cold", "mixed", "valkey")
+
+
+@dataclass
+class Row:
+    scenario: str
+    ttfts: list[float]
+    valid: bool
+    proof: str
+    l3_tokens: int = 0  # tokens per prompt that came from L3 (median)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ttfts) if self.ttfts else float("nan")
+
+
+@dataclass
+class Result:
+    name: str
+    rows: list[Row] = field(default_factory=list)
+    refs: dict[str, tuple[str, float]] = field(default_factory=dict)
+    starts: list[float] = field(default_factory=list)
+    error: str | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+def prompts_of(model: str, n: int, tokens: int) -> list[str]:
+    """``n`` prompts of ``tokens`` random vocabulary words (one token each with the demo tokenizer)."""
+    with open(os.path.join(model, "hpkv-words.txt")) as f:
+        words = f.read().split()
+    return [" ".join(random.Random(1000 + i).choices(words, k=tokens)) for i in range(n)]
+
+
+def kv_bytes_per_token(model: str) -> int:
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+    width = 4 if str(cfg.get("dtype") or cfg.get("torch_dtype")) == "float32" else 2
+    return 2 * int(cfg["num_hidden_layers"]) * int(cfg["num_key_value_heads"]) * head_dim * width
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="hpkv bench ttft --engine sglang",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--engine", choices=["sglang"], default="sglang")
+    ap.add_argument("--model", default=None, help="model directory (default: the demo model's config)")
+    ap.add_argument("--size", default="7b", help="demo model size when --model is not given")
+    ap.add_argument("--load-format", default="dummy", help="SGLang's --load-format ('auto': saved weights)")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--compare", default="none,hpkv,file", help=f"systems, from {', '.join(BACKENDS)}")
+    ap.add_argument("--scenarios", default=",".join(SCENARIOS))
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--hicache-gb", type=int, default=8, help="SGLang's host pool (--hicache-size)")
+    ap.add_argument("--device-prompts", type=float, default=1.5, help="device KV capacity, in prompts")
+    ap.add_argument("--port", type=int, default=30200)
+    ap.add_argument("--pause", type=float, default=0.2, help="seconds between requests")
+    ap.add_argument("--out", default="out/bench-ttft-sglang")
+    args = ap.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    systems = [s for s in args.compare.split(",") if s]
+    for s in scenarios:
+        if s not in SCENARIOS:
+            ap.error(f"unknown scenario {s!r}; choose from {', '.join(SCENARIOS)}")
+    for x in systems:
+        if x not in BACKENDS:
+            ap.error(f"unknown system {x!r}; choose from {', '.join(BACKENDS)}")
+    os.makedirs(args.out, exist_ok=True)
+    model = args.model
+    if model is None:
+        from hpkv.bench.demo_model import write_demo_model
+
+        model = os.path.join(args.out, f"demo-model-{args.size}")
+        if not os.path.exists(os.path.join(model, "config.json")):
+            write_demo_model(model, args.size, weights=args.load_format != "dummy")
+    prompts = prompts_of(model, args.prompts, args.tokens)
+    log: list[dict[str, Any]] = []
+    results = []
+    for name in systems:
+        results.append(Runner(args, name, model, prompts, log).run(scenarios))
+        _write(args, model, results, log)  # what is done is kept if a later system runs out of time
+    report(args, model, results)
+    ours = [x for x in results if x.name == "hpkv"]
+    return 0 if all(not x.error and all(r.valid for r in x.rows) for x in ours) else 1
+
+
+class Runner:
+    """One system: start, the rows in order with what each needs first, the references, stop."""
+
+    def __init__(
+        self, args: argparse.Namespace, system: str, model: str, prompts: list[str], log: list[dict[str, Any]]
+    ) -> None:
+        self.args, self.system, self.model, self.prompts, self.log = args, system, model, prompts, log
+        self.out = Result(system)
+        self.work = tempfile.mkdtemp(prefix=f"hpkv-sgl-{system}-")
+        self.shm = tempfile.mkdtemp(prefix="hpkv-sgl-", dir="/dev/shm")
+        self.valkey: Any = None
+        self.server: SGLangServer | None = None
+        self.pages = (args.tokens - 1) // args.page_size  # pages a hit can serve (the last token is computed)
+        self.served = self.pages * args.page_size
+
+    @property
+    def l3_dir(self) -> str:
+        return os.path.join(self.work, "l3")
+
+    def plan(self, scenarios: list[str]) -> list[str]:
+        own = {"none": ("prefill", "gpu", "host"), "file": SCENARIOS[:-1], "hpkv": SCENARIOS}[self.system]
+        for s in scenarios:
+            if s not in own:
+                self.out.skipped.append((s, f"no such tier with L3 '{self.system}'"))
+        return [s for s in scenarios if s in own]
+
+    def run(self, scenarios: list[str]) -> Result:
+        todo = self.plan(scenarios)
+        try:
+            self.start(todo)
+            for name in todo:
+                if name == "gpu" and "prefill" in todo:
+                    continue  # measured with prefill: each prompt cold, then at once again
+                self.out.rows.extend(self.scenario(name, "gpu" in todo))
+        except (ServerError, RuntimeError, OSError, AssertionError) as e:
+            self.out.error = first_error(str(e))
+            print(f"[{self.system}] stopped: {self.out.error}", flush=True)
+        finally:
+            if self.server is not None:
+                self.server.stop()
+            if self.valkey is not None:
+                self.valkey.stop()
+            shutil.rmtree(self.shm, ignore_errors=True)
+            shutil.rmtree(self.work, ignore_errors=True)
+        return self.out
+
+    def start(self, todo: list[str]) -> None:
+        args = self.args
+        os.makedirs(self.l3_dir, mode=0o700)
+        env = bench_env()
+        env.update(SGLANG_ENABLE_DETERMINISTIC_INFERENCE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        if self.system == "hpkv":
+            env.update(HPKV_KV_STORAGE_PATH=self.l3_dir, HPKV_SHARE_MEM_FILE_PATH=self.shm)
+            if "valkey" in todo:
+                from hpkv.bench.valkey import ValkeyServers
+
+                self.valkey = ValkeyServers(directory=os.path.join(self.work, "valkey")).start()
+                env["HPKV_REMOTE_URL"] = self.valkey.url
+        elif self.system == "file":
+            env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.l3_dir
+        self.server = SGLangServer(
+            self.model,
+            args.port,
+            env,
+            os.path.join(args.out, f"sglang-{self.system}.log"),
+            backend=self.system,
+            page_size=args.page_size,
+            hicache_gb=args.hicache_gb,
+            max_total_tokens=int(args.device_prompts * args.tokens),
+            load_format=None if args.load_format == "auto" else args.load_format,
+        )
+        self._start()
+
+    def _start(self) -> None:
+        assert self.server is not None
+        print(f"[{self.system}] starting SGLang (log: {self.server.log_path})", flush=True)
+        self.out.starts.append(self.server.start())
+        print(f"[{self.system}] ready in {self.out.starts[-1]:.0f} s", flush=True)
+
+    def _restart(self, *, empty_storage: bool = False) -> None:
+        assert self.server is not None
+        self.settle()
+        self.server.stop()
+        if empty_storage:
+            shutil.rmtree(self.l3_dir)
+            os.makedirs(self.l3_dir, mode=0o700)
+        self._start()
+
+    def settle(self) -> None:
+        """Wait until L3 has every page written (SGLang backs up from a thread; hpkv writes behind)."""
+        assert self.server is not None
+        if self.system == "hpkv":
+            self.server.settled_stats(quiet_s=2.0, timeout=120)
+            return
+        last, since, t0 = -1, time.monotonic(), time.monotonic()
+        while time.monotonic() - t0 < 120:
+            n = sum(len(fs) for _, _, fs in os.walk(self.l3_dir))
+            if n != last:
+                last, since = n, time.monotonic()
+            elif time.monotonic() - since >= 2.0:
+                return
+            time.sleep(0.25)
+
+    # -- the rows -----------------------------------------------------------------------------
+
+    def scenario(self, name: str, with_gpu: bool) -> list[Row]:
+        server, tokens = self.server, self.args.tokens
+        assert server is not None
+        if name == "prefill":
+            cold, hot = [], []
+            for p in self.prompts:
+                cold.append(self.send("prefill", p))
+                if with_gpu:
+                    hot.append(self.send("gpu", p))
+            rows = [self.row("prefill", cold, lambda r: r.cached == 0, "no cached token")]
+            if with_gpu:
+                rows.append(self.row("gpu", hot, lambda r: r.device >= self.served, "device radix cache"))
+            return rows
+        if name == "host":
+            replies = [self.send(name, p) for p in self.prompts]
+            return [
+                self.row(
+                    name,
+                    replies,
+                    lambda r: r.host >= tokens // 2 and r.storage == 0 and r.cached >= self.served,
+                    "host pool, nothing from L3",
+                )
+            ]
+        if name == "storage":
+            self._restart()
+        elif name == "storage-cold":
+            self.settle()
+            server.flush_cache()
+            drop_page_cache(self.l3_dir)
+        elif name == "mixed":
+            server.flush_cache()
+            half = (tokens // 2 // self.args.page_size) * self.args.page_size
+            for p in self.prompts:
+                server.generate(" ".join(p.split(" ")[:half]), max_new_tokens=1)
+            time.sleep(self.args.pause)
+        elif name == "valkey":
+            self._restart(empty_storage=True)
+        before = server.settled_stats() if self.system == "hpkv" else {}
+        replies = [self.send(name, p) for p in self.prompts]
+        after = server.settled_stats() if self.system == "hpkv" else {}
+        if name == "mixed":
+            least = tokens // 2 - 2 * self.args.page_size
+            check = lambda r: r.storage >= least and r.cached >= self.served  # noqa: E731
+            claim = f"half from device or host, >= {least} tokens from L3"
+        else:
+            check = lambda r: r.storage >= self.served  # noqa: E731
+            claim = f"{self.served} tokens from L3"
+        row = self.row(name, replies, check, claim)
+        if row.valid:
+            self.reference(name)
+        if self.system == "hpkv" and row.valid:
+            tier = "valkey" if name == "valkey" else "storage"
+            reads = tier_count(after, tier, "hits") - tier_count(before, tier, "hits")
+            need = sum(r.storage for r in replies) // self.args.page_size
+            if reads < need:
+                row.valid, row.proof = (
+                    False,
+                    f"INVALID: hpkv's {tier} served {reads} pages, SGLang took {need}",
+                )
+            else:
+                row.proof += f"; hpkv {tier} hits {reads}"
+        return [row]
+
+    def send(self, name: str, prompt: str) -> Reply:
+        assert self.server is not None
+        r = self.server.generate(prompt, max_new_tokens=1)
+        self.log.append(
+            {
+                "system": self.system,
+                "scenario": name,
+                "ttft_s": r.ttft,
+                "prompt_tokens": r.prompt_tokens,
+                "cached": r.cached,
+                "device": r.device,
+                "host": r.host,
+                "storage": r.storage,
+            }
+        )
+        print(
+            f"  {self.system:5} {name:12} TTFT={r.ttft:.4f}s cached={r.cached} (device {r.device}, host "
+            f"{r.host}, L3 {r.storage}) of {r.prompt_tokens}",
+            flush=True,
+        )
+        time.sleep(self.args.pause)
+        return r
+
+    def row(self, name: str, replies: list[Reply], ok: Any, claim: str) -> Row:
+        bad = [i for i, r in enumerate(replies) if not ok(r)]
+        l3 = int(statistics.median(r.storage for r in replies)) if replies else 0
+        ttfts = [r.ttft for r in replies]
+        if bad:
+            r = replies[bad[0]]
+            why = (
+                f"INVALID: request {bad[0]} got cached={r.cached} (device {r.device}, host {r.host}, "
+                f"L3 {r.storage}); the row claims {claim}"
+            )
+            return Row(name, ttfts, False, why, l3)
+        return Row(name, ttfts, True, f"every request: {claim}", l3)
+
+    def reference(self, name: str) -> None:
+        """The raw rate of the tier the row just proved, on this run's files or keys."""
+        try:
+            if name in ("storage", "storage-cold"):
+                threads = HpkvConfig.from_env().storage_io_threads
+                cold = name == "storage-cold"
+                gbps = raw_read_gbps(self.l3_dir, self.pages, threads, cold=cold)
+                how = "O_DIRECT after dropping them" if cold else "buffered, from the page cache"
+                self.out.refs[name] = (
+                    f"raw read of {self.pages} of its page files, {threads} threads, {how}",
+                    gbps,
+                )
+            elif name == "valkey" and self.valkey is not None:
+                workers = HpkvConfig.from_env().valkey_num_workers
+                gbps = raw_glide_gbps(self.valkey, self.pages, workers=workers)
+                self.out.refs[name] = (
+                    f"raw GLIDE GET loop over {self.pages} of its keys, {workers} threads",
+                    gbps,
+                )
+        except Exception as e:  # reported, not fatal
+            self.out.refs[name] = (f"not measured: {type(e).__name__}: {e}", 0.0)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def report(args: argparse.Namespace, model: str, results: list[Result]) -> None:
+    per_token = kv_bytes_per_token(model)
+    print()
+    print(
+        f"hpkv bench ttft --engine sglang: {args.prompts} random prompts x {args.tokens} tokens, "
+        f"model {model} (--load-format {args.load_format}), page {args.page_size}, "
+        f"KV {per_token * args.tokens / 2**20:.0f} MiB per prompt"
+    )
+    for x in results:
+        print(
+            f"\n{x.name}: SGLang HiCache"
+            + ("" if x.name == "none" else f" + L3 {x.name}")
+            + (f"  (starts: {', '.join(f'{s:.0f}' for s in x.starts)} s)" if x.starts else "")
+        )
+        if x.error:
+            print(f"  stopped: {x.error}")
+        gpu = next((r.median for r in x.rows if r.scenario == "gpu" and r.valid), None)
+        print(f"  {'row':13}{'median s':>10}{'min':>9}{'max':>9}{'L3 GB/s':>9}{'x ref':>7}  proof")
+        for r in x.rows:
+            rate = ""
+            xref = ""
+            if r.scenario in L3_ROWS and gpu is not None and r.valid and r.median > gpu:
+                gbps = r.l3_tokens * per_token / (r.median - gpu) / 1e9
+                rate = f"{gbps:.2f}"
+                ref = x.refs.get(r.scenario)
+                if ref and ref[1] > 0:
+                    xref = f"{gbps / ref[1]:.2f}"
+            print(
+                f"  {r.scenario:13}{r.median:10.4f}{min(r.ttfts):9.4f}{max(r.ttfts):9.4f}{rate:>9}{xref:>7}  "
+                f"{r.proof}"
+            )
+        for s, why in x.skipped:
+            print(f"  {s:13} skipped: {why}")
+        for s, (what, gbps) in x.refs.items():
+            print(f"  reference for {s}: {what}: {gbps:.2f} GB/s")
+    names = [x.name for x in results]
+    if len(results) > 1:
+        print("\nmedian TTFT (s) side by side:")
+        print(f"  {'row':13}" + "".join(f"{n:>10}" for n in names))
+        for s in SCENARIOS:
+            cells = []
+            for x in results:
+                got = next((r for r in x.rows if r.scenario == s), None)
+                cells.append("-" if got is None else (f"{got.median:.4f}" if got.valid else "INVALID"))
+            if any(c != "-" for c in cells):
+                print(f"  {s:13}" + "".join(f"{c:>10}" for c in cells))
+        base = next((x for x in results if x.name == "none"), None)
+        for x in results:
+            if base is None or x is base:
+                continue
+            a = next((r for r in x.rows if r.scenario == "prefill"), None)
+            b = next((r for r in base.rows if r.scenario == "prefill"), None)
+            if a and b:
+                print(
+                    f"  cold prefill with L3 {x.name}: {a.median / b.median:.3f}x SGLang HiCache without L3"
+                )
+
+
+def _write(args: argparse.Namespace, model: str, results: list[Result], log: list[dict[str, Any]]) -> None:
+    doc = {
+        "model": model,
+        "load_format": args.load_format,
+        "tokens": args.tokens,
+        "prompts": args.prompts,
+        "kv_bytes_per_token": kv_bytes_per_token(model),
+        "systems": [
+            {
+                "name": x.name,
+                "error": x.error,
+                "skipped": x.skipped,
+                "starts_s": x.starts,
+                "refs": {k: {"what": w, "gbps": g} for k, (w, g) in x.refs.items()},
+                "rows": [asdict(r) | {"median": r.median} for r in x.rows],
+            }
+            for x in results
+        ],
+        "requests": log,
+    }
+    with open(os.path.join(args.out, "ttft-sglang.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
