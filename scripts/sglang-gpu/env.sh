@@ -11,4 +11,4 @@ export PYTHONPATH="$SGL_SITE:$(pwd)/src:$(pwd)"
 export TVM_FFI_CACHE_DIR=${TVM_FFI_CACHE_DIR:-/root/tvmffi} SGLANG_IS_FLASHINFER_AVAILABLE=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
 # A call stopped at its time limit leaves its servers holding the GPU: stop any left over.
-pkill -9 -f "[s]glang.launch_server" 2>/dev/null; pkill -9 -f "[s]glang::" 2>/dev/null; true
+pkill -9 -f "[s]glang.launch_server" 2>/dev/null || true; pkill -9 -f "[s]glang::" 2>/dev/null || true

@@ -47,7 +47,7 @@ PY
 trim "$(one 'sglang-0.5.17-*.whl')" "$A/sglang-0.5.17-trim.zip" '_core[^/]*\.so$' '^sglang/multimodal_gen/'
 # sgl_kernel: sm90 only, without FA3 (flash_ops, used only by the fa3 attention backend) and the MLA kernels.
 trim "$(one 'sglang_kernel-0.4.5-*.whl')" "$A/sglang_kernel-0.4.5-sm90-trim.zip" '^sgl_kernel/sm100/' \
-  'flash_ops' 'flashmla' 'infllm'
+  'flash_ops[^/]*\.so$' 'flashmla_ops[^/]*\.so$' 'infllm_ops[^/]*\.so$'
 # flashinfer: its JIT sources (data/) go in the second carry; sgl_kernel's rmsnorm compiles from them at first use.
 FI=$(one 'flashinfer_python-0.6.15.post1-*.whl')
 trim "$FI" "$A/flashinfer_python-0.6.15.post1-trim.zip" '^flashinfer/data/'

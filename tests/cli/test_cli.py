@@ -67,6 +67,17 @@ def test_demo_model_token_counts(tmp_path: Path) -> None:
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["num_key_value_heads"] == 2
 
 
+def test_a_config_only_demo_model_is_what_an_engine_with_random_weights_reads(tmp_path: Path) -> None:
+    """``--config-only`` (for SGLang's ``--load-format dummy``): config and tokenizer as a saved model
+    has them, architectures included, and no weights."""
+    r = run("demo-model", str(tmp_path), "--size", "tiny", "--config-only")
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["num_hidden_layers"] == 4
+    assert {"tokenizer.json", "tokenizer_config.json", "hpkv-words.txt"} <= set(os.listdir(tmp_path))
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
+
+
 def test_tenant_prefix_is_the_one_the_valkey_tier_writes_under() -> None:
     from hpkv.core.keys import tenant_tag
 

@@ -84,23 +84,27 @@ def from_l3(r: Reply) -> None:
     assert r.cached >= SERVED and r.storage >= SERVED, f"not served from L3: {r.meta}"
 
 
+@pytest.fixture(scope="class")
+def dirs(work: str) -> Iterator[dict[str, str]]:
+    """TestStorage's storage and pool directories, shared by its servers."""
+    shm = tempfile.mkdtemp(prefix="hpkv-sgl-", dir="/dev/shm")
+    d = {"storage": os.path.join(work, "storage"), "shm": shm}
+    os.makedirs(d["storage"], mode=0o700)
+    yield d
+    shutil.rmtree(d["shm"], ignore_errors=True)
+
+
+@pytest.fixture(scope="class")
+def state() -> Iterator[dict[str, Any]]:
+    """What TestStorage's tests hand on: the running server and the cold text."""
+    st: dict[str, Any] = {}
+    yield st
+    if "server" in st:
+        st["server"].stop()
+
+
 class TestStorage:
     """One pool and storage directory, the server restarted over it."""
-
-    @pytest.fixture(scope="class")
-    def dirs(self, work: str) -> Iterator[dict[str, str]]:
-        shm = tempfile.mkdtemp(prefix="hpkv-sgl-", dir="/dev/shm")
-        d = {"storage": os.path.join(work, "storage"), "shm": shm}
-        os.makedirs(d["storage"], mode=0o700)
-        yield d
-        shutil.rmtree(d["shm"], ignore_errors=True)
-
-    @pytest.fixture(scope="class")
-    def state(self) -> Iterator[dict[str, Any]]:
-        st: dict[str, Any] = {}
-        yield st
-        if "server" in st:
-            st["server"].stop()
 
     def env(self, dirs: dict[str, str], **more: str) -> dict[str, str]:
         return _env(HPKV_KV_STORAGE_PATH=dirs["storage"], HPKV_SHARE_MEM_FILE_PATH=dirs["shm"], **more)

@@ -160,6 +160,7 @@ def write_demo_model(
     )
     cfg = transformers.Qwen2Config(**kwargs)
     if not weights:
+        cfg.architectures = ["Qwen2ForCausalLM"]  # what saving a model records; engines read it
         cfg.save_pretrained(path)
         with open(os.path.join(path, "hpkv-words.txt"), "w") as f:
             f.write("\n".join(words) + "\n")

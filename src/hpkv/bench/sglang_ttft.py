@@ -72,11 +72,11 @@ class Result:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
-def prompts_of(model: str, n: int, tokens: int) -> list[str]:
+def prompts_of(model: str, n: int, tokens: int, seed: int = 1000) -> list[str]:
     """``n`` prompts of ``tokens`` random vocabulary words (one token each with the demo tokenizer)."""
     with open(os.path.join(model, "hpkv-words.txt")) as f:
         words = f.read().split()
-    return [" ".join(random.Random(1000 + i).choices(words, k=tokens)) for i in range(n)]
+    return [" ".join(random.Random(seed + i).choices(words, k=tokens)) for i in range(n)]
 
 
 def kv_bytes_per_token(model: str) -> int:
@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     for x in systems:
         if x not in BACKENDS:
             ap.error(f"unknown system {x!r}; choose from {', '.join(BACKENDS)}")
+    least = args.device_prompts + 1.5
+    if "host" in scenarios and args.prompts < least:
+        ap.error(f"the host row needs more prompts than the device holds: --prompts >= {least:g}")
     os.makedirs(args.out, exist_ok=True)
     model = args.model
     if model is None:
@@ -147,6 +150,7 @@ class Runner:
         self.shm = tempfile.mkdtemp(prefix="hpkv-sgl-", dir="/dev/shm")
         self.valkey: Any = None
         self.server: SGLangServer | None = None
+        self.warmup = prompts_of(model, 1, 4 * args.page_size, seed=999)[0]
         self.pages = (args.tokens - 1) // args.page_size  # pages a hit can serve (the last token is computed)
         self.served = self.pages * args.page_size
 
@@ -213,6 +217,8 @@ class Runner:
         print(f"[{self.system}] starting SGLang (log: {self.server.log_path})", flush=True)
         self.out.starts.append(self.server.start())
         print(f"[{self.system}] ready in {self.out.starts[-1]:.0f} s", flush=True)
+        # SGLang compiles kernels at a fresh process's first request: not a prefill to measure.
+        self.server.generate(self.warmup, max_new_tokens=1)
 
     def _restart(self, *, empty_storage: bool = False) -> None:
         assert self.server is not None
