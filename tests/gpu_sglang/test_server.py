@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from hpkv.bench.sglang_server import Reply, SGLangServer, tier_count
+from hpkv.bench.server import counter
+from hpkv.bench.sglang_server import Reply, SGLangServer
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs an NVIDIA GPU: SGLang's server has no CPU build"
@@ -103,6 +104,20 @@ def state() -> Iterator[dict[str, Any]]:
         st["server"].stop()
 
 
+def no_page_shared(s: SGLangServer, model: str) -> Reply:
+    """Start ``s`` over a storage directory that holds prompt 1's pages under another namespace:
+    SGLang finds nothing cached and hpkv serves no page."""
+    s.start()
+    try:
+        r = s.generate(prompt(model, 1), max_new_tokens=16)
+        st = s.settled_stats()
+        assert r.cached == 0 and r.storage == 0, r.meta
+        assert counter(st, "storage", "hits") == 0, st
+        return r
+    finally:
+        s.stop()
+
+
 class TestStorage:
     """One pool and storage directory, the server restarted over it."""
 
@@ -120,12 +135,12 @@ class TestStorage:
         assert again.device >= SERVED and again.text == cold.text, again.meta
         s.generate(prompt(model, 2), max_new_tokens=16)
         before = s.settled_stats()
-        assert tier_count(before, "storage", "writes") >= 2 * (TOKENS // PAGE) - 2, before
+        assert counter(before, "storage", "writes") >= 2 * (TOKENS // PAGE) - 2, before
         s.flush_cache()
         hit = s.generate(a, max_new_tokens=16)
         after = s.settled_stats()
         from_l3(hit)
-        assert tier_count(after, "storage", "hits") - tier_count(before, "storage", "hits") >= SERVED // PAGE
+        assert counter(after, "storage", "hits") - counter(before, "storage", "hits") >= SERVED // PAGE
         assert after["connector"]["read"] - before["connector"]["read"] >= SERVED // PAGE
         assert hit.text == cold.text
         state["cold"] = cold.text
@@ -137,7 +152,7 @@ class TestStorage:
         hit = s.generate(prompt(model, 1), max_new_tokens=16)
         st = s.settled_stats()
         from_l3(hit)
-        assert tier_count(st, "storage", "hits") >= SERVED // PAGE, st
+        assert counter(st, "storage", "hits") >= SERVED // PAGE, st
         assert hit.text == state["cold"]
 
     @pytest.mark.parametrize("fault", ["corrupt", "missing"])
@@ -164,34 +179,18 @@ class TestStorage:
         after = s.settled_stats()
         assert r.storage % PAGE == 0 and r.storage < SERVED, f"the prefix went past the bad page: {r.meta}"
         if fault == "corrupt":
-            assert tier_count(after, "storage", "corrupt") > tier_count(before, "storage", "corrupt"), after
+            assert counter(after, "storage", "corrupt") > counter(before, "storage", "corrupt"), after
         assert r.text == cold.text
 
     def test_another_tenant_shares_no_page(self, model, work, dirs, state) -> None:
         state["server"].stop()
-        s = server(model, work, "salt", self.env(dirs, HPKV_SALT="tenant-b"))
-        s.start()
-        try:
-            r = s.generate(prompt(model, 1), max_new_tokens=16)
-            st = s.settled_stats()
-            assert r.cached == 0 and r.storage == 0, r.meta
-            assert tier_count(st, "storage", "hits") == 0, st
-            assert r.text == state["cold"]
-        finally:
-            s.stop()
+        r = no_page_shared(server(model, work, "salt", self.env(dirs, HPKV_SALT="tenant-b")), model)
+        assert r.text == state["cold"]
 
     def test_another_model_shares_no_page(self, model, work, dirs, state) -> None:
         twin = os.path.join(work, "model-twin")  # the same weights under another name
         shutil.copytree(model, twin, dirs_exist_ok=True)
-        s = server(twin, work, "twin", self.env(dirs))
-        s.start()
-        try:
-            r = s.generate(prompt(model, 1), max_new_tokens=16)
-            st = s.settled_stats()
-            assert r.cached == 0 and r.storage == 0, r.meta
-            assert tier_count(st, "storage", "hits") == 0, st
-        finally:
-            s.stop()
+        no_page_shared(server(twin, work, "twin", self.env(dirs)), model)
 
 
 class TestValkey:
@@ -208,13 +207,13 @@ class TestValkey:
             a = prompt(model, 3)
             cold = s.generate(a, max_new_tokens=16)
             st = s.settled_stats()
-            assert tier_count(st, "valkey", "writes") >= SERVED // PAGE, st
+            assert counter(st, "valkey", "writes") >= SERVED // PAGE, st
             s.stop()
             s.start()
             hit = s.generate(a, max_new_tokens=16)
             st = s.settled_stats()
             from_l3(hit)
-            assert tier_count(st, "valkey", "hits") >= SERVED // PAGE, st
+            assert counter(st, "valkey", "hits") >= SERVED // PAGE, st
             assert hit.text == cold.text
         finally:
             s.stop()

@@ -64,6 +64,30 @@ def first_error(text: str) -> str:
     return lines[0][-300:] if text.strip() else "unknown error"
 
 
+def read_log_since(path: str, offset: int) -> str:
+    """What a server logged to ``path`` after byte ``offset`` ("" if the log cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def http_request(
+    port: int, method: str, path: str, body: Any = None, timeout: float = 600
+) -> tuple[int, bytes]:
+    """One request to a server on loopback, a JSON body if given; returns the status and the body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if body is not None else None
+        conn.request(method, path, body=data, headers={"content-type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
 @dataclass
 class Server:
     model: str
@@ -139,12 +163,7 @@ class Server:
 
     def log_since(self, offset: int) -> str:
         """What the server logged after byte ``offset`` ("" if the log cannot be read)."""
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return read_log_since(self.log_path, offset)
 
     def load_rates(self, since: int, min_tokens: int) -> list[float]:
         """GB/s of each of hpkv's loads of at least ``min_tokens`` tokens logged after byte ``since``:
@@ -166,14 +185,7 @@ class Server:
     # -- HTTP ------------------------------------------------------------------------
 
     def request(self, method: str, path: str, body: Any = None, timeout: float = 600) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            return r.status, r.read()
-        finally:
-            conn.close()
+        return http_request(self.port, method, path, body, timeout)
 
     def complete(
         self,

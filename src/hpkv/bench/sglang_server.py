@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpkv.bench.server import ServerError, first_error
+from hpkv.bench.server import ServerError, first_error, http_request, read_log_since, read_stat
 from hpkv.core.procs import stop_group
 from hpkv.integrations.statsfile import read_all
 
@@ -170,24 +170,12 @@ class SGLangServer:
         self.proc = None
 
     def log_since(self, offset: int) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(offset)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
+        return read_log_since(self.log_path, offset)
 
     # -- HTTP ------------------------------------------------------------------------------
 
     def request(self, method: str, path: str, body: Any = None, timeout: float = 600) -> tuple[int, bytes]:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"content-type": "application/json"})
-            r = conn.getresponse()
-            return r.status, r.read()
-        finally:
-            conn.close()
+        return http_request(self.port, method, path, body, timeout)
 
     def generate(self, text: str, max_new_tokens: int = 1, timeout: float = 600, **extra: Any) -> Reply:
         """POST /generate, greedy, streamed: TTFT is the time to the first streamed chunk."""
@@ -282,20 +270,11 @@ def sum_docs(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"tiers": tiers, "connector": pages, "engines": len(docs)}
 
 
-def tier_count(stats: dict[str, Any], tier: str, name: str) -> int:
-    return int(stats.get("tiers", {}).get(tier, {}).get(name, 0))
-
-
 def _group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``."""
     out = []
     for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        st = read_stat(f"/proc/{d}/stat") if d.isdigit() else None
+        if st is not None and int(st[1][2]) == pgid and st[1][0] != "Z":
             out.append(int(d))
     return out

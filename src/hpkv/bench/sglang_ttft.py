@@ -41,8 +41,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps
-from hpkv.bench.server import ServerError, bench_env, first_error
-from hpkv.bench.sglang_server import BACKENDS, Reply, SGLangServer, tier_count
+from hpkv.bench.server import ServerError, bench_env, counter, first_error
+from hpkv.bench.sglang_server import BACKENDS, Reply, SGLangServer
 from hpkv.core.config import HpkvConfig
 
 SCENARIOS = ("prefill", "gpu", "host", "storage", "storage-cold", "mixed", "valkey")
@@ -298,7 +298,7 @@ class Runner:
             self.reference(name)
         if self.system == "hpkv" and row.valid:
             tier = "valkey" if name == "valkey" else "storage"
-            reads = tier_count(after, tier, "hits") - tier_count(before, tier, "hits")
+            reads = counter(after, tier, "hits") - counter(before, tier, "hits")
             need = sum(r.storage for r in replies) // self.args.page_size
             if reads < need:
                 row.valid, row.proof = (
