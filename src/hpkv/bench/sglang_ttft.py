@@ -388,7 +388,7 @@ def report(args: argparse.Namespace, model: str, results: list[Result]) -> None:
         if x.error:
             print(f"  stopped: {x.error}")
         gpu = next((r.median for r in x.rows if r.scenario == "gpu" and r.valid), None)
-        print(f"  {'row':13}{'median s':>10}{'min':>9}{'max':>9}{'L3 GB/s':>9}{'x ref':>7}  proof")
+        print(f"  {'row':13}{'median s':>10}{'min':>9}{'max':>9}{'L3 GB/s':>9}{'x ref':>8}  proof")
         for r in x.rows:
             rate = ""
             xref = ""
@@ -399,7 +399,7 @@ def report(args: argparse.Namespace, model: str, results: list[Result]) -> None:
                 if ref and ref[1] > 0:
                     xref = f"{gbps / ref[1]:.2f}"
             print(
-                f"  {r.scenario:13}{r.median:10.4f}{min(r.ttfts):9.4f}{max(r.ttfts):9.4f}{rate:>9}{xref:>7}  "
+                f"  {r.scenario:13}{r.median:10.4f}{min(r.ttfts):9.4f}{max(r.ttfts):9.4f}{rate:>9}{xref:>8}  "
                 f"{r.proof}"
             )
         for s, why in x.skipped:
