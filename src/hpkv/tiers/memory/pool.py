@@ -1,25 +1,19 @@
-"""The shared-memory file behind the memory pool: create, reclaim, map, release.
+"""The memory pool's mapping: a pool file mapped into this process, as a tensor, and released.
 
-System calls only; no bookkeeping. The file is created with mode 0600, its
-space allocated up front with ``posix_fallocate`` (so a tmpfs that is too
-small fails here, at start, rather than with SIGBUS on a later write), and
-held with a shared ``flock`` for the life of the process. A file that nobody
-holds a lock on is left over from a crashed process and is removed at the
-next start in the same directory.
+No bookkeeping (which slot holds what is :mod:`hpkv.engine.memory`'s) and no file handling beyond
+mapping (creating, naming and reclaiming files is :mod:`hpkv.tiers.memory.files`'s). A pool this
+process created is removed when it closes, exits or is told to stop; one it attached is only
+unmapped.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import errno
-import fcntl
 import logging
 import mmap
 import os
-import re
 import signal
-import stat
 import threading
 import weakref
 from typing import Any
@@ -29,112 +23,14 @@ import torch
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.pages import PAGE as PAGE  # re-exported: the slots are page-aligned
 from hpkv.core.pages import read_ahead
-from hpkv.core.paths import check_private_dir
-from hpkv.core.procs import pid_alive
+from hpkv.tiers.memory.files import (  # re-exported: where pool files go
+    agreed_pool_path as agreed_pool_path,
+)
+from hpkv.tiers.memory.files import create_pool_file, reclaim_if_unlocked, unlink_quietly
+from hpkv.tiers.memory.files import pool_file_path as pool_file_path
+from hpkv.tiers.memory.files import reclaim_stale as reclaim_stale
 
 log = logging.getLogger(__name__)
-
-_POOL_RE = re.compile(r"^hpkv-(\d+)-[0-9A-Za-z]+\.shm$")
-_counter = 0
-_counter_lock = threading.Lock()
-
-
-def pool_file_path(share_mem_file_path: str, tag: str) -> str:
-    """Where this process's pool file goes.
-
-    A path ending in ``.shm`` is the file itself; anything else is a directory
-    (created if missing) in which each process gets ``hpkv-<pid>-<tag>.shm``,
-    so several engines can share one directory.
-    """
-    global _counter
-    path = os.path.abspath(os.path.expanduser(share_mem_file_path))
-    if path.endswith(".shm"):
-        return path
-    with _counter_lock:
-        _counter += 1
-        n = _counter
-    return os.path.join(path, f"hpkv-{os.getpid()}-{tag}{n:02x}.shm")
-
-
-def agreed_pool_path(share_mem_file_path: str, owner_pid: int, tag: str) -> str | None:
-    """The pool file two processes agree on without talking: ``hpkv-<owner_pid>-<tag>.shm`` in
-    the pool directory (``tag``: letters and digits naming what it is for). None where the
-    setting names one file: a file that exists there may be another engine's."""
-    path = os.path.abspath(os.path.expanduser(share_mem_file_path))
-    if path.endswith(".shm"):
-        return None
-    return os.path.join(path, f"hpkv-{owner_pid}-{tag}.shm")
-
-
-def reclaim_stale(directory: str) -> list[str]:
-    """Remove pool files in ``directory`` whose owner is gone (no process holds their lock)."""
-    removed: list[str] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return removed
-    for name in names:
-        m = _POOL_RE.match(name)
-        if not m:
-            continue
-        pid = int(m.group(1))
-        if pid == os.getpid() or pid_alive(pid):
-            continue
-        path = os.path.join(directory, name)
-        fd = _open_own_file(path)
-        if fd is None:  # named like a pool but not ours: never deleted
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue
-        try:
-            os.unlink(path)
-            removed.append(path)
-            log.warning("hpkv: removed stale memory pool file %s left by process %d", path, pid)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _open_own_file(path: str) -> int | None:
-    """``path`` opened read-write if it is a regular file of this user (never through a link, never
-    blocking on a FIFO), else None: the only kind of file hpkv may delete as a stale pool."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        return None
-    return fd
-
-
-def _reclaim_if_unlocked(path: str, size: int) -> bool:
-    """Remove ``path`` if it is a pool file left by a crash: a regular file of this user, of
-    exactly ``size`` bytes, whose lock no process holds. Anything else at that name (a user's
-    file, a link) is left alone; creating the pool then fails with a clear message. True: a pool
-    file of that kind is there and its creator, alive, holds it."""
-    fd = _open_own_file(path)
-    if fd is None:
-        return False
-    try:
-        if os.fstat(fd).st_size != size:
-            return False
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.unlink(path)
-        log.warning("hpkv: removed stale memory pool file %s", path)
-    except BlockingIOError:
-        return True
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    return False
 
 
 class ShmPool:
@@ -158,58 +54,13 @@ class ShmPool:
         page-locking maps them all anyway)."""
         self.path = path
         self.size = size
-        directory = os.path.dirname(path)
-        try:
-            os.makedirs(directory, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise HpkvConfigError(
-                f"{path_where}={directory!r} cannot be created ({e.strerror}); "
-                "use a directory on a tmpfs you can write, e.g. /dev/shm/hpkv"
-            ) from None
-        check_private_dir(directory, path_where, "/dev/shm/hpkv", shared_group=shared_group, sticky_ok=True)
-        reclaim_stale(directory)
-        if os.path.lexists(path):
-            _reclaim_if_unlocked(path, size)
-        try:
-            st = os.statvfs(directory)
-        except OSError as e:
-            raise HpkvConfigError(f"{path_where}={directory!r} is not usable ({e.strerror})") from None
-        free = st.f_bavail * st.f_frsize
-        if size > free:
-            raise HpkvConfigError(
-                f"{where}={size} bytes does not fit in {directory} ({free} bytes free); "
-                f"use a smaller pool, e.g. {max(free // 2 // 2**20, 1)}MiB, or a larger tmpfs"
-            )
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        except FileExistsError:
-            raise HpkvConfigError(
-                f"{path_where}={path!r} already exists: a pool another process uses, or a file that is "
-                f"not a {size}-byte pool of yours (hpkv never deletes those); "
-                "use a directory instead, e.g. /dev/shm/hpkv, so each process gets its own file"
-            ) from None
-        except OSError as e:
-            raise HpkvConfigError(
-                f"{path_where}={path!r} cannot be created ({e.strerror}); use e.g. /dev/shm/hpkv"
-            ) from None
+        fd = create_pool_file(path, size, where=where, path_where=path_where, shared_group=shared_group)
         self._fd = fd
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-                    raise HpkvConfigError(
-                        f"{where}={size} bytes cannot be allocated in {directory} ({e.strerror}); "
-                        "use a smaller pool or a larger tmpfs"
-                    ) from None
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                os.ftruncate(fd, size)  # a filesystem without fallocate
             self._mm = _map(fd, size)
         except BaseException:
             os.close(fd)
-            _unlink_quietly(path)
+            unlink_quietly(path)
             raise
         self.tensor = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.view = memoryview(self._mm)
@@ -252,7 +103,21 @@ class ShmPool:
             os.close(fd)
         if prefault:
             self._start_prefault()
+        _ATTACHED.add(self)
         return self
+
+    @classmethod
+    def map_shared(cls, path: str, size: int, *, prefault: bool = False) -> ShmPool:
+        """Map a host pool file (:mod:`hpkv.tiers.memory.hostpool` owns it): this process's
+        existing mapping of it if it has one (vLLM's single-GPU engine runs its worker in the
+        scheduler's process: one mapping, page-locked once), else a new one like :meth:`attach`."""
+        live = next(
+            (p for p in list(_ATTACHED) if p.path == path and p.size == size and not p._closed),
+            None,
+        )
+        if live is not None:
+            return live._borrow()
+        return cls.attach(path, size, prefault=prefault)
 
     @classmethod
     def _handle(cls, path: str, size: int, mm: mmap.mmap) -> ShmPool:
@@ -280,7 +145,7 @@ class ShmPool:
         own = next((p for p in list(_OWNED) if p.path == path and p.size == size and not p._closed), None)
         if own is not None:
             return own._borrow()
-        if not _reclaim_if_unlocked(path, size):
+        if not reclaim_if_unlocked(path, size):
             return None
         return cls.attach(path, size, prefault=True)
 
@@ -300,7 +165,7 @@ class ShmPool:
         ones can no longer attach. Nothing is left behind however this process ends."""
         if self._owner and not self._unlinked:
             self._unlinked = True
-            _unlink_quietly(self.path)
+            unlink_quietly(self.path)
             log.info("hpkv: memory pool %s mapped by every rank; its name is removed", self.path)
 
     _unlinked = False
@@ -313,7 +178,7 @@ class ShmPool:
         self._closed = True
         self._halt_prefault()
         if self._owner and not self._unlinked:
-            _unlink_quietly(self.path)
+            unlink_quietly(self.path)
         self.view.release()
         del self.tensor
         # Someone may still hold a tensor view; the mapping then goes when it does.
@@ -327,6 +192,8 @@ class ShmPool:
 # so a process that ends without close() (an engine stopped by its process manager, a script that
 # forgot) leaves no file holding RAM in /dev/shm.
 _OWNED: weakref.WeakSet[ShmPool] = weakref.WeakSet()
+# Pools this process attached (another process's files), for map_shared.
+_ATTACHED: weakref.WeakSet[ShmPool] = weakref.WeakSet()
 _installed = False
 _install_lock = threading.Lock()
 
@@ -371,7 +238,7 @@ def _make_handler(previous: Any) -> Any:
     def handler(signum: int, frame: Any) -> None:
         for pool in list(_OWNED):  # the file only: mappings (workers') stay valid until they end
             if pool._owner:
-                _unlink_quietly(pool.path)
+                unlink_quietly(pool.path)
         if callable(previous):
             previous(signum, frame)
         elif previous == signal.SIG_DFL:
@@ -404,8 +271,3 @@ def _map(fd: int, size: int) -> mmap.mmap:
         with contextlib.suppress(OSError):
             mm.madvise(mmap.MADV_HUGEPAGE)
     return mm
-
-
-def _unlink_quietly(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
