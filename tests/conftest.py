@@ -26,6 +26,15 @@ def _no_hpkv_env(monkeypatch: pytest.MonkeyPatch) -> None:
             monkeypatch.delenv(var)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _stop_host_pools() -> Iterator[None]:
+    """Host pools that stores in this process started stop with the session, not an hour later."""
+    yield
+    from hpkv.tiers.memory.hostslots import stop_spawned
+
+    stop_spawned()
+
+
 @pytest.fixture
 def shm_dir() -> Iterator[str]:
     path = f"/dev/shm/hpkv-test-{uuid.uuid4().hex[:12]}"
@@ -73,6 +82,9 @@ def make_store(shm_dir: str, storage_dir: str) -> Iterator[StoreFactory]:
         layout: KVLayout = SMALL, model_id: str = "tiny", rank: int = 0, world_size: int = 1, **cfg: Any
     ) -> KVStore:
         cfg.setdefault("mem_pool_size", "8M")
+        # Each store its own pool, empty at start: these tests are about the engine; the host pool
+        # that engines share has its own (tests/tiers/test_host_pool.py).
+        cfg.setdefault("memory_pool", "engine")
         cfg.setdefault("share_mem_file_path", shm_dir)
         cfg.setdefault("storage_path", storage_dir)
         cfg.setdefault("chunk_size", CHUNK)

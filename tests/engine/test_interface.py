@@ -26,10 +26,15 @@ from hpkv.integrations.vllm.reqstate import LoadPhase, ReqState
 from tests.conftest import CHUNK, SMALL
 
 
-@pytest.fixture
-def cat(shm_dir: str, storage_dir: str) -> Iterator[Catalog]:
+@pytest.fixture(params=["engine", "shared"])
+def cat(request: pytest.FixtureRequest, shm_dir: str, storage_dir: str) -> Iterator[Catalog]:
+    """The same sequences on an engine's own pool and on the host pool engines share."""
     cfg = HpkvConfig(
-        mem_pool_size="4M", share_mem_file_path=shm_dir, storage_path=storage_dir, chunk_size=CHUNK
+        mem_pool_size="4M",
+        share_mem_file_path=shm_dir,
+        storage_path=storage_dir,
+        chunk_size=CHUNK,
+        memory_pool=request.param,
     )
     c = Catalog(cfg, Namespace("iface", SMALL, CHUNK))
     yield c
@@ -88,7 +93,7 @@ def test_a_memory_hit_then_a_storage_hit_through_the_schedulers_sequence(cat: Ca
     assert [slot_bytes(cat, s) for s in hit.slots] == payloads
     cat.finish_load(hit.slots)
     cat.release(lk)
-    assert lk.phase is Phase.DONE and cat.memory._protected == {}
+    assert lk.phase is Phase.DONE and cat.memory.protected() == 0
     cat.check()
 
 
@@ -110,7 +115,7 @@ def test_a_streamed_hit_hands_out_each_chunk_once_it_is_in_memory(cat: Catalog) 
             cat.finish_load([slot], loaded=1)
         assert not arrived.failed
     assert got == dict(enumerate(payloads)) and lk.phase is Phase.READY
-    assert cat.stats()[MEMORY]["pinned_slots"] == 0 and cat.memory._protected == {}
+    assert cat.stats()[MEMORY]["pinned_slots"] == 0 and cat.memory.protected() == 0
 
 
 def test_the_in_process_sequence_reads_what_the_workers_stored_and_stores_once(cat: Catalog) -> None:
@@ -132,7 +137,7 @@ def test_the_in_process_sequence_reads_what_the_workers_stored_and_stores_once(c
 def test_a_miss_is_a_miss_and_holds_nothing(cat: Catalog) -> None:
     lk = Lookup(cat.keys(list(range(50_000, 50_000 + 2 * CHUNK))))
     assert isinstance(cat.lookup(lk), Miss)
-    assert cat.memory._protected == {} and cat.stats()[MEMORY]["pinned_slots"] == 0
+    assert cat.memory.protected() == 0 and cat.stats()[MEMORY]["pinned_slots"] == 0
     assert local.load(cat, lk.lks, lambda i, p: None) == 0
 
 
@@ -151,7 +156,7 @@ def test_a_reset_while_a_lookup_is_pending_makes_nothing_in_flight_visible(
     answer = cat.lookup(lk)
     assert isinstance(answer, Miss)  # nothing in memory after the reset
     cat.release(lk)
-    assert cat.stats()[MEMORY]["pinned_slots"] == 0 and cat.memory._protected == {}
+    assert cat.stats()[MEMORY]["pinned_slots"] == 0 and cat.memory.protected() == 0
     cat.check()
 
 
@@ -167,7 +172,7 @@ def test_an_abort_while_loading_releases_every_pin_and_protection(cat: Catalog) 
     gone = cat.arrivals(lk, gone=True)  # vLLM finished the request: nothing is handed out
     assert gone.ready == [] and gone.failed == [0, 1, 2] and lk.phase is Phase.READY
     cat.release(lk)
-    assert cat.stats()[MEMORY]["pinned_slots"] == 0 and cat.memory._protected == {}
+    assert cat.stats()[MEMORY]["pinned_slots"] == 0 and cat.memory.protected() == 0
     assert cat.locate_local(lks) == [MEMORY] * 3  # the promotions landed for a later hit
     cat.check()
 

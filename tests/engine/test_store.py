@@ -174,7 +174,11 @@ def test_env_names_in_store_errors(monkeypatch: pytest.MonkeyPatch, tmp_path: ob
 def test_clear_and_context_manager(shm_dir: str, storage_dir: str) -> None:
     toks = random_tokens(2 * CHUNK)
     cfg = HpkvConfig(
-        mem_pool_size="4M", share_mem_file_path=shm_dir, storage_path=storage_dir, chunk_size=CHUNK
+        mem_pool_size="4M",
+        share_mem_file_path=shm_dir,
+        storage_path=storage_dir,
+        chunk_size=CHUNK,
+        memory_pool="engine",  # an engine's own pool goes with it (the host pool stays: test_host_pool)
     )
     with KVStore(cfg, SMALL) as s:
         s.put(toks, random_kv(SMALL, len(toks)))

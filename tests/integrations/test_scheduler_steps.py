@@ -162,6 +162,7 @@ def make_sim(shm_dir: str, storage_dir: str) -> Iterator[Any]:
         cfg.setdefault("share_mem_file_path", shm_dir)
         cfg.setdefault("storage_path", storage_dir)
         cfg.setdefault("chunk_size", CHUNK)
+        cfg.setdefault("memory_pool", "engine")  # each scheduler starts with an empty pool
         ns = Namespace("steps", SMALL, CHUNK, 0, world_size)
         s = HpkvScheduler(HpkvConfig(**cfg), ns, BLOCK, load=True, store=True, gpu=gpu)
         made.append(s)

@@ -1,4 +1,4 @@
-"""``hpkv``: serve, demo-model, stats, clear, bench."""
+"""``hpkv``: serve, pool, demo-model, stats, clear, bench."""
 
 from __future__ import annotations
 
@@ -79,6 +79,16 @@ def _main(argv: list[str] | None = None) -> int:
     tp.add_argument("cache_salt", nargs="?", default="", help="the requests' cache_salt (none: shared)")
     tp.add_argument("--salt", default=None, help="the engine's HPKV_SALT (default: from the environment)")
 
+    pl = sub.add_parser("pool", help="the host's shared memory pool: serve, status, stop")
+    pl.add_argument("action", choices=["serve", "status", "stop"])
+    pl.add_argument("--dir", default=None, help="pool directory (default: HPKV_SHARE_MEM_FILE_PATH)")
+    pl.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=None,
+        help="serve: seconds without engines before it stops, 0: never (default: HPKV_POOL_IDLE_TIMEOUT)",
+    )
+
     dl = sub.add_parser("demo-lora", help="write a random LoRA adapter (PEFT format) for a demo model")
     dl.add_argument("model")
     dl.add_argument("dir")
@@ -115,6 +125,8 @@ def _main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd == "stats":
         return _stats(a.dir, a.json)
+    if a.cmd == "pool":
+        return _pool(a.action, a.dir, a.idle_timeout)
     if a.cmd == "clear":
         return _clear(a.storage)
     if a.cmd == "valkey":
@@ -171,6 +183,36 @@ def _engine(rest: list[str]) -> tuple[list[str], str]:
     if engine not in ("vllm", "sglang"):
         raise SystemExit(f"hpkv bench ttft: --engine {engine!r} is not one of vllm, sglang")
     return out, engine
+
+
+def _pool(action: str, directory: str | None, idle_timeout: float | None) -> int:
+    cfg = _config()
+    path = os.path.abspath(os.path.expanduser(directory or cfg.share_mem_file_path))
+    if action == "serve":
+        from hpkv.tiers.memory.hostpool import main as pool_main
+
+        idle = cfg.pool_idle_timeout if idle_timeout is None else idle_timeout
+        args = ["--dir", path, "--idle-timeout", str(idle)] + (["--shared-group"] if cfg.shared_group else [])
+        return pool_main(args)
+    from hpkv.tiers.memory.hostslots import pool_status, stop_pool
+
+    if action == "stop":
+        if not stop_pool(path):
+            print(f"no hpkv pool serves {path}")
+            return 1
+        print(f"stopped the hpkv pool of {path}")
+        return 0
+    st = pool_status(path)
+    if st is None:
+        print(f"no hpkv pool serves {path}")
+        return 1
+    print(f"hpkv pool of {st['dir']}: pid {st['pid']}, {len(st['engines'])} engine(s) connected")
+    for name, g in st["groups"].items():
+        print(
+            f"  {name}: {g['ranks']} rank(s) x {g['size'] / 2**30:.2f} GiB, {g['chunks']}/{g['slots']} "
+            f"chunks, {g['pinned']} pinned, {g['evictions']} evictions"
+        )
+    return 0
 
 
 def _stats(directory: str | None, as_json: bool) -> int:

@@ -55,6 +55,8 @@ class _Spec:
 _SPECS: dict[str, _Spec] = {
     "mem_pool_size": _Spec("HPKV_KV_MEM_POOL_SIZE", "16G", "size"),
     "share_mem_file_path": _Spec("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv", "path"),
+    "memory_pool": _Spec("HPKV_MEMORY_POOL", "shared", "choice"),
+    "pool_idle_timeout": _Spec("HPKV_POOL_IDLE_TIMEOUT", "3600", "float", minimum=0, maximum=1 << 31),
     "storage_path": _Spec("HPKV_KV_STORAGE_PATH", "~/storage", "optpath"),
     "storage_size": _Spec("HPKV_KV_STORAGE_SIZE", "64G", "size"),
     "chunk_size": _Spec("HPKV_CHUNK_SIZE", "256", "int", minimum=1, maximum=1 << 20),
@@ -88,6 +90,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "valkey_mode": ("standalone", "cluster"),
     "write_behind": ("auto", "paced", "immediate"),
     "async_load": ("auto", "true", "false"),
+    "memory_pool": ("shared", "engine"),
 }
 REMOTE_SCHEMES = ("valkey", "redis", "valkeys", "rediss")
 
@@ -128,6 +131,12 @@ class HpkvConfig:
     mem_pool_size: int = 4 * _GIB
     # Directory that holds the pool's shared-memory file, or the file itself (ends in .shm).
     share_mem_file_path: str = "/dev/shm/hpkv"
+    # "shared": one memory pool per host and pool directory, shared by every engine there and kept
+    # across their restarts by a pool process of its own (tiers/memory/hostpool.py); "engine": each
+    # engine its own pool, removed when it stops.
+    memory_pool: str = "shared"
+    # Seconds the shared pool stays after its last engine disconnects (0: until `hpkv pool stop`).
+    pool_idle_timeout: float = 3600.0
     # Directory of the persistent storage tier; None disables the tier. A leading ~ is expanded.
     storage_path: str | None = None
     # Capacity of the storage tier in bytes; least recently used chunks are evicted beyond it.

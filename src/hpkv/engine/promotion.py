@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hpkv.core.procs import name_os_thread
-from hpkv.engine.memory import MemorySlots
+from hpkv.engine.memory import Slots
 from hpkv.tiers.base import Tier
 from hpkv.tiers.memory.pool import ShmPool
 
@@ -48,7 +48,7 @@ class Promotion(Future[bool]):
 class Promoter:
     def __init__(
         self,
-        memory: MemorySlots,
+        memory: Slots,
         pools: list[ShmPool],
         slot_bytes: int,
         record_key: Callable[[int, bytes], bytes],
