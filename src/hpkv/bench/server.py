@@ -101,6 +101,9 @@ class Server:
     python: str = sys.executable  # the interpreter vLLM runs under (a peer's environment)
     proc: subprocess.Popen[bytes] | None = None
     start_offset: int = field(default=0, repr=False)  # where this start's lines begin in the log
+    # A stop stops hpkv's host pool of this server's directory too (the seed's restart empties the
+    # memory tier), unless other servers share it.
+    keep_pool: bool = False
 
     def command(self) -> list[str]:
         cmd = vllm_command(
@@ -150,6 +153,25 @@ class Server:
     def stop(self) -> None:
         stop_group(self.proc, timeout=60)
         self.proc = None
+        pool = self.env.get("HPKV_SHARE_MEM_FILE_PATH")
+        if pool and not self.keep_pool:
+            from hpkv.tiers.memory.hostslots import stop_pool
+
+            stop_pool(pool)
+
+    def _own(self, docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The stats documents of this server's processes (its engine runs in a child of the
+        server, in the server's process group), where other servers share the directory."""
+        if self.proc is None:
+            return docs
+        mine = []
+        for d in docs:
+            try:
+                if os.getpgid(int(d.get("pid", -1))) == self.proc.pid:
+                    mine.append(d)
+            except (OSError, ValueError):
+                continue
+        return mine
 
     def restart(self) -> None:
         self.stop()
@@ -236,7 +258,7 @@ class Server:
         """The counters of this server's engine: its stats file when it runs here with a known pool
         directory, else its ``/metrics`` (``hpkv_tier_*``, ``hpkv_connector``)."""
         if self.env.get("HPKV_SHARE_MEM_FILE_PATH"):
-            docs = read_all(self.env["HPKV_SHARE_MEM_FILE_PATH"])
+            docs = self._own(read_all(self.env["HPKV_SHARE_MEM_FILE_PATH"]))
             if docs:
                 return max(docs, key=lambda d: d.get("time", 0))
         return self.metrics_stats()
@@ -251,7 +273,7 @@ class Server:
             return self.metrics_stats()
         deadline = time.monotonic() + timeout
         while True:
-            docs = read_all(path)
+            docs = self._own(read_all(path))
             doc = max(docs, key=lambda d: d.get("time", 0)) if docs else None
             if doc is not None and doc.get("time", 0) >= since and not doc.get("pending", 0):
                 return doc

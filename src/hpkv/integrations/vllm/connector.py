@@ -39,6 +39,7 @@ from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
 from hpkv.core.layout import KVLayout
 from hpkv.integrations.vllm.meta import HpkvMeta
+from hpkv.tiers.memory.hostslots import uses_host_pool
 from hpkv.tiers.memory.pool import agreed_pool_path
 
 if TYPE_CHECKING:
@@ -268,8 +269,8 @@ def _start_pool_path(
     the model's key digest, vLLM's per-launch ``engine_id`` and the rank. None where they cannot
     agree (Ray and other executors, a pool path naming one file, no memory tier): the scheduler
     then makes the pool, as before, and the worker maps it at the first step."""
-    if config.mem_pool_size <= 0:
-        return None
+    if config.mem_pool_size <= 0 or uses_host_pool(config):
+        return None  # the host pool's files are made by the pool process (see HpkvWorker)
     backend = vllm_config.parallel_config.distributed_executor_backend
     if backend == "uni":
         pid = os.getpid()

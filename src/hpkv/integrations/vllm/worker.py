@@ -31,6 +31,7 @@ from hpkv.core.keys import Namespace, record_key
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
 from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem
 from hpkv.integrations.vllm.paged import PagedKV
+from hpkv.tiers.memory.hostslots import host_group, pool_paths, uses_host_pool
 from hpkv.tiers.memory.pool import PAGE, ShmPool
 
 log = logging.getLogger("hpkv")
@@ -97,6 +98,27 @@ class HpkvWorker:
             log.info("hpkv: GPU copy kernels compiled and staging allocated in %.0f ms", took * 1e3)
         if self._start_pool is not None:
             self._make_pool(self._start_pool)
+        elif self._config is not None and uses_host_pool(self._config):
+            self._map_host_pool(self._config)
+
+    def _map_host_pool(self, cfg: HpkvConfig) -> None:
+        """Map (and on CUDA page-lock) this rank's file of the host pool now, while the engine
+        starts, as the scheduler will name it; if that fails, it is mapped at the first request."""
+        assert self.mover is not None
+        try:
+            paths, size, _ = pool_paths(
+                cfg,
+                host_group(self.ns.logical_digest),
+                self.ns.world_size,
+                self.slot_bytes,
+                cfg.mem_pool_size,
+            )
+            self.pool = ShmPool.map_shared(paths[self.rank], size, prefault=not self.mover.cuda)
+        except (HpkvConfigError, OSError) as e:
+            log.warning("hpkv: the host pool is mapped at the first request instead of at start: %s", e)
+            return
+        self._pool_path = paths[self.rank]
+        self.mover.attach_pool(self.pool.tensor)
 
     def _make_pool(self, path: str) -> None:
         """Make this rank's pool file now, while the engine starts, and page-lock it for CUDA:
