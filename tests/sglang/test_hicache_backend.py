@@ -270,3 +270,27 @@ def test_a_config_without_the_writer_and_dcp_fields_is_accepted(storage_dir: str
     backend = HpkvHiCacheStorage(config_0517)
     assert backend.writer is True
     backend.close()
+
+
+def test_two_servers_share_the_hosts_memory_pool(shm_dir: str) -> None:
+    """hpkv's memory tier on (SGLang's own host pool stays per server): pages one server backed up
+    are memory hits for another on the host, bit-exact, with no storage tier at all."""
+    from hpkv.tiers.memory.hostslots import stop_pool
+
+    one = {"share_mem_file_path": shm_dir, "kv_mem_pool_size": "64M"}
+    a = h.rig("dynamic", h.hpkv_extra(one))
+    b = h.rig("dynamic", h.hpkv_extra(one))
+    try:
+        toks = h.tokens(6, seed=11)
+        idx, pages = h.fill_host(a, 6, seed=12)
+        assert h.backup(a, toks, idx) == 6 * h.PAGE
+        a.backend.flush()
+        got = h.prefetch(b, toks)
+        assert (got.hit_tokens, got.loaded_tokens) == (6 * h.PAGE, 6 * h.PAGE)
+        assert_pages(b, got, pages)
+        st = b.backend.hpkv_stats()
+        assert st["memory"]["hits"] == 6 and "storage" not in st
+    finally:
+        a.close()
+        b.close()
+        stop_pool(shm_dir)
