@@ -134,6 +134,14 @@ def group(shm: str) -> dict[str, Any]:
     return dict(g)
 
 
+def let_go(shm: str) -> dict[str, Any]:
+    """The model's pool once it has noticed a killed engine's connection close (nothing pinned)."""
+    deadline = time.monotonic() + 10
+    while group(shm)["pinned"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return group(shm)
+
+
 def test_a_chunk_one_engine_stored_is_a_memory_hit_for_another_and_after_both_exit(pool_dir: str) -> None:
     assert run(pool_dir, "put", 1) == "stored 64"
     # Another process, started after the first exited: memory, bit-exact, counted on it.
@@ -157,10 +165,7 @@ def test_an_engine_killed_while_loading_leaves_no_pin(pool_dir: str) -> None:
     assert group(pool_dir)["pinned"] == 4
     holder.send_signal(signal.SIGKILL)
     holder.wait()
-    deadline = time.monotonic() + 10
-    while group(pool_dir)["pinned"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    g = group(pool_dir)
+    g = let_go(pool_dir)
     assert g["pinned"] == 0 and g["protected"] == 0 and g["chunks"] == 4
     assert run(pool_dir, "get", 3) == "where memory,memory,memory,memory equal True hits 4"
 
@@ -171,10 +176,7 @@ def test_an_engine_killed_mid_store_leaves_nothing_visible_and_no_slot_held(pool
     assert group(pool_dir)["pinned"] == 1
     writer.send_signal(signal.SIGKILL)
     writer.wait()
-    deadline = time.monotonic() + 10
-    while group(pool_dir)["pinned"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    g = group(pool_dir)
+    g = let_go(pool_dir)
     assert g["pinned"] == 0 and g["chunks"] == 0  # the half-written chunk never became visible
     assert run(pool_dir, "get", 4).startswith("where None,None,None,None equal False")
     # The slot is reusable: a full store of the same prompt and its bytes back.

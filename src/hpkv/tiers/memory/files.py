@@ -128,12 +128,8 @@ def reclaim_if_unlocked(path: str, size: int) -> bool:
     return False
 
 
-def create_pool_file(path: str, size: int, *, where: str, path_where: str, shared_group: bool) -> int:
-    """Create the pool file ``path`` of ``size`` bytes, held with a shared lock: the open
-    descriptor (the lock lasts while it is open). Errors name ``where`` (the size setting) or
-    ``path_where`` (the directory setting) with a value that works."""
-    directory = os.path.dirname(path)
-    directory = os.path.dirname(path)
+def make_pool_dir(directory: str, path_where: str, shared_group: bool) -> None:
+    """Create the pool directory if missing (0700) and refuse one that others may write."""
     try:
         os.makedirs(directory, mode=0o700, exist_ok=True)
     except OSError as e:
@@ -142,6 +138,14 @@ def create_pool_file(path: str, size: int, *, where: str, path_where: str, share
             "use a directory on a tmpfs you can write, e.g. /dev/shm/hpkv"
         ) from None
     check_private_dir(directory, path_where, "/dev/shm/hpkv", shared_group=shared_group, sticky_ok=True)
+
+
+def create_pool_file(path: str, size: int, *, where: str, path_where: str, shared_group: bool) -> int:
+    """Create the pool file ``path`` of ``size`` bytes, held with a shared lock: the open
+    descriptor (the lock lasts while it is open). Errors name ``where`` (the size setting) or
+    ``path_where`` (the directory setting) with a value that works."""
+    directory = os.path.dirname(path)
+    make_pool_dir(directory, path_where, shared_group)
     reclaim_stale(directory)
     if os.path.lexists(path):
         reclaim_if_unlocked(path, size)

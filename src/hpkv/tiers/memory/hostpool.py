@@ -55,6 +55,7 @@ SOCKET = "hpkv-pool.sock"
 PIDFILE = "hpkv-pool.pid"
 LOGFILE = "hpkv-pool.log"
 _HEADER = struct.Struct("!I")
+SEND_TIMEOUT_S = 5.0
 MAX_MESSAGE = 64 << 20  # a request larger than this is a broken client, not a batch
 
 
@@ -262,7 +263,9 @@ class HostPool:
                 self._drop(conn)
                 return
             try:
-                conn.setblocking(True)
+                # An engine reads each answer at once; one that does not within SEND_TIMEOUT_S is
+                # stuck and is dropped rather than stalling every other engine.
+                conn.settimeout(SEND_TIMEOUT_S)
                 send(conn, reply)
                 conn.setblocking(False)
             except OSError:

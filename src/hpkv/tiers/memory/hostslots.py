@@ -24,6 +24,7 @@ from typing import Any
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.stats import TierStats
+from hpkv.tiers.memory.files import make_pool_dir
 from hpkv.tiers.memory.hostpool import LOGFILE, SOCKET, recv, send
 
 log = logging.getLogger(__name__)
@@ -61,22 +62,7 @@ def open_connection(config: HpkvConfig, *, start: bool = True) -> socket.socket:
         if sock is None:
             raise ConnectionRefusedError(f"no hpkv pool answers at {path}")
         return sock
-    try:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    except OSError as e:
-        raise HpkvConfigError(
-            f"{config.where('share_mem_file_path')}={directory!r} cannot be created ({e.strerror}); "
-            "use a directory on a tmpfs you can write, e.g. /dev/shm/hpkv"
-        ) from None
-    from hpkv.core.paths import check_private_dir
-
-    check_private_dir(
-        directory,
-        config.where("share_mem_file_path"),
-        "/dev/shm/hpkv",
-        shared_group=config.shared_group,
-        sticky_ok=True,
-    )
+    make_pool_dir(directory, config.where("share_mem_file_path"), config.shared_group)
     lock_fd = os.open(os.path.join(directory, "hpkv-pool.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
