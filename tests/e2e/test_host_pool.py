@@ -29,8 +29,8 @@ def pair(demo_model: str) -> Iterator[tuple[Server, Server, dict[str, Any]]]:
     tmp = tempfile.mkdtemp(prefix="hpkv-e2e-host-")
     shm = os.path.join("/dev/shm", f"hpkv-e2e-{os.getpid()}-host")
     env = {"HPKV_SHARE_MEM_FILE_PATH": shm, "HPKV_KV_STORAGE_PATH": ""}  # memory is the only tier
-    a = make_server(demo_model, tmp, "host-a", 8471, env=env)
-    b = make_server(demo_model, tmp, "host-b", 8472, env=env)
+    a = make_server(demo_model, tmp, "host-a", 8401, env=env)
+    b = make_server(demo_model, tmp, "host-b", 8402, env=env)
     a.keep_pool = b.keep_pool = True
     a.start()
     b.start()
@@ -52,17 +52,27 @@ def pinned(shm: str) -> int:
     return sum(g["pinned"] for g in st["groups"].values())
 
 
+def computed_on(server: Server, prompt: str) -> str:
+    """``prompt``'s text on ``server``, once its chunks are in the pool (no store still pinned)."""
+    out = text(server, prompt)
+    wait_for(lambda: server.hpkv_stats()["tiers"]["memory"]["pinned_slots"] == 0, what="the stores to land")
+    return out
+
+
+def assert_memory_hit(server: Server, prompt: str, want: str) -> None:
+    """``prompt`` on ``server`` gives ``want``, its whole chunks loaded from the pool."""
+    c, e0 = Counters(server), external(server)
+    assert text(server, prompt) == want
+    assert c.delta("memory", "hits") == TOKENS // CHUNK
+    assert external(server) - e0 >= (TOKENS // CHUNK) * CHUNK
+
+
 def test_a_prompt_computed_on_one_server_is_a_memory_hit_on_the_other(
     pair: tuple[Server, Server, dict[str, Any]], demo_model: str
 ) -> None:
     a, b, _ = pair
     p = words_prompt(demo_model, TOKENS, seed=4400)
-    cold = text(a, p)
-    wait_for(lambda: a.hpkv_stats()["tiers"]["memory"]["pinned_slots"] == 0, what="A's stores to land")
-    c, e0 = Counters(b), external(b)
-    assert text(b, p) == cold
-    assert c.delta("memory", "hits") == TOKENS // CHUNK
-    assert external(b) - e0 >= (TOKENS // CHUNK) * CHUNK
+    assert_memory_hit(b, p, computed_on(a, p))
 
 
 def test_a_restarted_server_finds_its_prompt_in_memory(
@@ -70,13 +80,9 @@ def test_a_restarted_server_finds_its_prompt_in_memory(
 ) -> None:
     a, _, _ = pair
     p = words_prompt(demo_model, TOKENS, seed=4401)
-    cold = text(a, p)
-    wait_for(lambda: a.hpkv_stats()["tiers"]["memory"]["pinned_slots"] == 0, what="A's stores to land")
+    cold = computed_on(a, p)
     a.restart()  # the engine and vLLM's own cache are new; the host pool is not
-    c, e0 = Counters(a), external(a)
-    assert text(a, p) == cold
-    assert c.delta("memory", "hits") == TOKENS // CHUNK
-    assert external(a) - e0 >= (TOKENS // CHUNK) * CHUNK
+    assert_memory_hit(a, p, cold)
 
 
 def test_a_server_killed_mid_request_leaves_nothing_pinned_and_the_other_serves_right(
@@ -84,8 +90,7 @@ def test_a_server_killed_mid_request_leaves_nothing_pinned_and_the_other_serves_
 ) -> None:
     a, b, info = pair
     shared = words_prompt(demo_model, TOKENS, seed=4402)
-    cold = text(b, shared)
-    wait_for(lambda: b.hpkv_stats()["tiers"]["memory"]["pinned_slots"] == 0, what="B's stores to land")
+    cold = computed_on(b, shared)
     text(a, shared)  # A loads it from the pool: its pins come and go
     long = words_prompt(demo_model, 6000, seed=4403)  # several seconds of prefill on A, storing as it goes
     failed: list[BaseException] = []
@@ -106,14 +111,10 @@ def test_a_server_killed_mid_request_leaves_nothing_pinned_and_the_other_serves_
     a.proc.wait()
     a.proc = None
     b.reset_prefix_cache()  # vLLM's own cache on B forgets it; the pool does not
-    c = Counters(b)
-    assert text(b, shared) == cold  # B serves on, from the pool
-    assert c.delta("memory", "hits") == TOKENS // CHUNK
+    assert_memory_hit(b, shared, cold)  # B serves on, from the pool
     wait_for(lambda: pinned(info["shm"]) == 0, what="the pool to let go of A's pins and reservations")
     a.start()  # the killed server comes back to the same pool
-    c = Counters(a)
-    assert text(a, shared) == cold
-    assert c.delta("memory", "hits") == TOKENS // CHUNK
+    assert_memory_hit(a, shared, cold)
 
 
 def test_a_server_with_another_salt_shares_nothing(
@@ -121,8 +122,7 @@ def test_a_server_with_another_salt_shares_nothing(
 ) -> None:
     a, b, _ = pair
     p = words_prompt(demo_model, TOKENS, seed=4404)
-    cold = text(a, p)
-    wait_for(lambda: a.hpkv_stats()["tiers"]["memory"]["pinned_slots"] == 0, what="A's stores to land")
+    cold = computed_on(a, p)
     b.stop()
     b.env["HPKV_SALT"] = "tenant-b"
     try:
