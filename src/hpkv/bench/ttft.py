@@ -182,6 +182,7 @@ VARIANT_ENV = {
     "hpkv-layerwise": {"HPKV_LAYERWISE_LOAD": "true"},
     "hpkv-async": {"HPKV_ASYNC_LOAD": "true"},
     "hpkv-sync": {"HPKV_ASYNC_LOAD": "false"},
+    "hpkv-engine": {"HPKV_MEMORY_POOL": "engine"},  # each engine its own memory pool
 }
 
 
