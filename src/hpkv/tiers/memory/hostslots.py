@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.stats import TierStats
 from hpkv.tiers.memory.files import make_pool_dir
-from hpkv.tiers.memory.hostpool import LOGFILE, SOCKET, recv, send
+from hpkv.tiers.memory.hostpool import LOGFILE, PIDFILE, SOCKET, recv, send
 
 log = logging.getLogger(__name__)
 
@@ -305,20 +306,49 @@ class HostSlots:
 
 
 def stop_pool(directory: str, timeout: float = 10.0) -> bool:
-    """Ask the pool serving ``directory`` to stop and wait for it; False if none answered."""
-    path = os.path.join(os.path.abspath(os.path.expanduser(directory)), SOCKET)
-    sock = _try_connect(path)
-    if sock is None:
-        return False
-    with contextlib.closing(sock):
-        try:
+    """Stop the pool serving ``directory`` and wait until its process is gone (SIGTERM, then
+    SIGKILL, if it has not ended ``timeout`` seconds after being asked); False if none ran."""
+    d = os.path.abspath(os.path.expanduser(directory))
+    pid = _pool_pid(d)
+    sock = _try_connect(os.path.join(d, SOCKET))
+    if sock is not None:
+        with contextlib.closing(sock), contextlib.suppress(OSError):
             request(sock, {"op": "stop"})
-        except OSError:
-            return False
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and os.path.exists(path):
-        time.sleep(0.02)
+    if pid is None or not _held(d):
+        return sock is not None
+    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+        if sig is not None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _held(d):
+                return True
+            time.sleep(0.02)
     return True
+
+
+def _pool_pid(directory: str) -> int | None:
+    try:
+        with open(os.path.join(directory, PIDFILE)) as f:
+            return int(f.read().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
+def _held(directory: str) -> bool:
+    """A pool process still holds the directory's pid file lock (it is running or ending)."""
+    try:
+        fd = os.open(os.path.join(directory, PIDFILE), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def pool_status(directory: str) -> dict[str, Any] | None:
