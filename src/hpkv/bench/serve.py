@@ -246,6 +246,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(not r.get("error") for r in runs) else 1
 
 
+def _runner_args(args: argparse.Namespace, port: int, out: str) -> argparse.Namespace:
+    """What the TTFT bench's Runner needs to start one server of this load's shape."""
+    return argparse.Namespace(
+        url=None,
+        pool_size=args.pool_size,
+        remote_url=None,
+        tokens=args.context + args.question + args.output,
+        vllm_args=f"{args.vllm_args} --num-gpu-blocks-override {args.engine_blocks}",
+        port=port,
+        block_size=args.block_size,
+        out=out,
+    )
+
+
 def replicated_run(
     args: argparse.Namespace,
     system: str,
@@ -272,17 +286,7 @@ def replicated_run(
         for i in range(args.replicas):
             out = os.path.join(args.out, f"replica{i}")
             os.makedirs(out, exist_ok=True)
-            targs = argparse.Namespace(
-                url=None,
-                pool_size=args.pool_size,
-                remote_url=None,
-                tokens=args.context + args.question + args.output,
-                vllm_args=f"{args.vllm_args} --num-gpu-blocks-override {args.engine_blocks}",
-                port=args.port + i,
-                block_size=args.block_size,
-                out=out,
-            )
-            r = Runner(targs, system, model, [], Expect(0, 0, 0), [])
+            r = Runner(_runner_args(args, args.port + i, out), system, model, [], Expect(0, 0, 0), [])
             if runners:  # one host: the first replica's pool and storage directories
                 r.shm, r.work = runners[0].shm, runners[0].work
             runners.append(r)
@@ -355,18 +359,8 @@ def one_run(
     from hpkv.bench.ttft import Runner
     from hpkv.bench.verify import Expect, hpkv_deltas
 
-    targs = argparse.Namespace(
-        url=None,
-        pool_size=args.pool_size,
-        remote_url=None,
-        tokens=args.context + args.question + args.output,
-        vllm_args=f"{args.vllm_args} --num-gpu-blocks-override {args.engine_blocks}",
-        port=args.port,
-        block_size=args.block_size,
-        out=args.out,
-    )
     run: dict[str, Any] = {"system": system, "level": level}
-    runner = Runner(targs, system, model, [], Expect(0, 0, 0), [])
+    runner = Runner(_runner_args(args, args.port, args.out), system, model, [], Expect(0, 0, 0), [])
     try:
         tiers = ["memory", "storage"] + (["valkey"] if args.valkey else [])
         if not runner.start(tiers):

@@ -173,9 +173,10 @@ NEEDS_LOCAL = {
     "storage-cold": "needs the storage files on this machine",
     "valkey": "needs an engine restart",
 }
-VARIANTS = ("hpkv-layerwise", "hpkv-async", "hpkv-sync")
+VARIANTS = ("hpkv-layerwise", "hpkv-async", "hpkv-sync", "hpkv-engine")
 SYSTEMS = ("hpkv", *VARIANTS, "none", "native", "lmcache")
 # hpkv-layerwise: hpkv with HPKV_LAYERWISE_LOAD=true (on CUDA each layer is loaded, then attended to);
+# hpkv-engine: HPKV_MEMORY_POOL=engine (a memory pool of the engine's own, not the host's);
 # hpkv-async: HPKV_ASYNC_LOAD=true (vLLM's async load: each chunk sent to the engine as it reaches memory);
 # hpkv-sync: HPKV_ASYNC_LOAD=false (every hit loaded inside the step that admits it);
 VARIANT_ENV = {
