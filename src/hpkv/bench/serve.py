@@ -28,6 +28,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass
@@ -288,6 +289,8 @@ def replicated_run(
             os.makedirs(out, exist_ok=True)
             r = Runner(_runner_args(args, args.port + i, out), system, model, [], Expect(0, 0, 0), [])
             if runners:  # one host: the first replica's pool and storage directories
+                shutil.rmtree(r.shm, ignore_errors=True)
+                shutil.rmtree(r.work, ignore_errors=True)
                 r.shm, r.work = runners[0].shm, runners[0].work
             runners.append(r)
             tiers = ["memory", "storage"] + (["valkey"] if args.valkey else [])
