@@ -280,7 +280,9 @@ class Catalog:
     def locate_local(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key memory or a local tier or None, without asking a remote tier and without
         cutting at a gap."""
-        return [MEMORY if self.in_memory(lk) else self.held_locally(lk, tenant) for lk in lks]
+        keys = list(lks)
+        resident = self.memory.contains_many(keys)  # one question for all: the host pool is a round trip
+        return [MEMORY if r else self.held_locally(lk, tenant) for lk, r in zip(keys, resident, strict=True)]
 
     def read_source(self, lk: bytes, tier: str, tenant: str = SHARED) -> str:
         """Where a read of ``lk`` from ``tier`` would come from (see ``Tier.source``; asked of the
@@ -476,8 +478,9 @@ class Catalog:
 
     def _stream(self, lk: Lookup) -> Hit:
         # Each chunk's read is deferred to the end of the scheduling pass (see lookup's ``defer``).
+        resident = self.memory.contains_many(lk.protected)
         for i, k in enumerate(lk.protected):
-            futs = [] if self.in_memory(k) else self._promoter.stage([k], lk.tenant, defer=True)
+            futs = [] if resident[i] else self._promoter.stage([k], lk.tenant, defer=True)
             lk.awaited.append((i, futs[0] if futs else None))
         lk.staging = [f for _, f in lk.awaited if f is not None]
         lk.promotions = list(lk.staging)
@@ -487,11 +490,10 @@ class Catalog:
     def _staged(self, lk: Lookup) -> None:
         """Every promotion of the hit settled: count per tier what arrived (a failed promotion
         shortens the hit) and measure the reads."""
+        resident = self.memory.contains_many(lk.protected)
         for name in self.tiers:
             if name in lk.tiers:
-                lk.tiers[name] = sum(
-                    self.in_memory(k) for k, w in zip(lk.protected, lk.where, strict=False) if w == name
-                )
+                lk.tiers[name] = sum(r for r, w in zip(resident, lk.where, strict=False) if w == name)
         self.costs.promoted(lk.promotions, lk.sources)
         lk.staging = []
         lk.to(Phase.READY)

@@ -34,6 +34,7 @@ class Slots(Protocol):
     counters: TierStats
 
     def __contains__(self, lk: bytes) -> bool: ...
+    def contains_many(self, lks: Sequence[bytes]) -> list[bool]: ...
     def __len__(self) -> int: ...
     def pinned(self) -> int: ...
     def protected(self) -> int: ...
@@ -67,6 +68,11 @@ class MemorySlots:
     def __contains__(self, lk: bytes) -> bool:
         with self._lock:
             return lk in self._index
+
+    def contains_many(self, lks: Sequence[bytes]) -> list[bool]:
+        """Per key, whether it is in memory now (one lock for all of them)."""
+        with self._lock:
+            return [lk in self._index for lk in lks]
 
     def __len__(self) -> int:
         with self._lock:

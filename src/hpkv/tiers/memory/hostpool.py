@@ -360,6 +360,8 @@ class HostPool:
             out = {}
         elif op == "contains":
             out = {"in": bytes.fromhex(req["key"]) in m}
+        elif op == "contains_many":
+            out = {"in": m.contains_many([bytes.fromhex(k) for k in req["keys"]])}
         elif op == "len":
             out = {"n": len(m)}
         elif op == "protected":

@@ -219,6 +219,12 @@ class HostSlots:
         r = self._ask({"op": "contains", "key": lk.hex()})
         return bool(r and r["in"])
 
+    def contains_many(self, lks: Sequence[bytes]) -> list[bool]:
+        if not lks:
+            return []
+        r = self._ask({"op": "contains_many", "keys": self._hex(lks)})
+        return [bool(x) for x in r["in"]] if r else [False] * len(lks)
+
     def __len__(self) -> int:
         r = self._ask({"op": "len"})
         return int(r["n"]) if r else 0
