@@ -49,11 +49,10 @@ from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.engine.cascade import Cascade
 from hpkv.engine.costs import LoadCosts
 from hpkv.engine.lookup import Ahead, Answer, Arrivals, Hit, Lookup, Miss, Names, Pending, Phase
-from hpkv.engine.memory import MemorySlots, Slots
+from hpkv.engine.pools import open_memory
 from hpkv.engine.promotion import Promoter
 from hpkv.tiers.base import TIERS, Tier, builder
-from hpkv.tiers.memory.hostslots import HostSlots, host_group, uses_host_pool
-from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path, slot_bytes
+from hpkv.tiers.memory.pool import ShmPool, slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -107,52 +106,17 @@ class Catalog:
         self.payload_bytes = namespace.layout.chunk_bytes(self.chunk_size)
         self.record_bytes = record.record_bytes(self.payload_bytes)
         self.slot_bytes = slot_bytes(self.record_bytes)
-        self.pools: list[ShmPool] = []
         self.tiers: dict[str, list[Tier]] = {}  # name -> one per rank, fastest first
         self._closers: list[Callable[[], None]] = []
         # The host's pool (shared by every engine there, kept across restarts) unless the engine asks
         # for its own or names one pool file.
-        self.host_pool = uses_host_pool(config)
-        memory: Slots = MemorySlots(0)
+        memory = open_memory(
+            config, self.ranks, self.world_size, self.logical_digest, self.slot_bytes, adopt_pools
+        )
+        self.pools: list[ShmPool] = memory.pools
+        if memory.close is not None:
+            self._closers.append(memory.close)
         try:
-            if config.mem_pool_size > 0:
-                check_holds_a_chunk(
-                    config.mem_pool_size,
-                    self.slot_bytes,
-                    self.chunk_size,
-                    config.where("mem_pool_size"),
-                    config.example("mem_pool_size"),
-                )
-                if self.host_pool:
-                    host = HostSlots(
-                        config,
-                        host_group(self.logical_digest),
-                        self.world_size,
-                        self.slot_bytes,
-                        config.mem_pool_size,
-                    )
-                    self._closers.append(host.close)
-                    for r in self.ranks:
-                        self.pools.append(ShmPool.map_shared(host.paths[r], host.size, prefault=True))
-                    memory = host
-                else:
-                    tag = self.logical_digest.hex()[:6]
-                    for i, r in enumerate(self.ranks):
-                        offered = adopt_pools[i] if adopt_pools else None
-                        adopted = ShmPool.adopt(offered, config.mem_pool_size) if offered else None
-                        if adopted is not None:
-                            self.pools.append(adopted)
-                            continue
-                        self.pools.append(
-                            ShmPool(
-                                pool_file_path(config.share_mem_file_path, f"{tag}r{r}"),
-                                config.mem_pool_size,
-                                where=config.where("mem_pool_size"),
-                                path_where=config.where("share_mem_file_path"),
-                                shared_group=config.shared_group,
-                            )
-                        )
-                    memory = MemorySlots(config.mem_pool_size // self.slot_bytes)
             for name in TIERS:
                 built = builder(name)(config, self.payload_bytes, self.rank_digests)
                 if built is not None:
@@ -163,8 +127,8 @@ class Catalog:
             for p in self.pools:
                 p.close()
             raise
-        self.memory = memory
-        self.num_slots = memory.num_slots
+        self.memory = memory.slots
+        self.num_slots = memory.slots.num_slots
         self._storing: set[bytes] = set()  # chunks reserved by begin_store, not yet finished
         self._storing_lock = threading.Lock()
         # Promotions from a remote tier wait on the network: as many threads as its workers.
