@@ -157,8 +157,10 @@ def test_server_killed_and_restarted_mid_run(make_store: StoreFactory, tmp_path:
         s.put(toks, kv)  # queued for the cascade, which drops it (counted) instead of hanging
         s.flush()
         assert s.stats()["valkey"]["writes_skipped"] - skipped == 3
+        assert s.stats()["valkey"]["reconnects"] == 0
         srv.restart()  # empty server on the same port
         wait_for(lambda: s.stats()["valkey"]["connected"] == 1)
+        assert s.stats()["valkey"]["reconnects"] == 1
         assert s.put(toks, kv) == 3 * CHUNK
         s.flush()
         assert bits_equal(s.get(toks), kv)

@@ -671,7 +671,7 @@ class Catalog:
         for name, ts in self.tiers.items():
             per = [t.stats() for t in ts]
             agg = {k: sum(s[k] for s in per) for k in per[0]}
-            for same in ("chunks", "o_direct", "connected"):  # per rank, not additive
+            for same in ("chunks", "o_direct", "connected", "reconnects"):  # per rank or shared: not additive
                 if same in per[0]:
                     agg[same] = per[0][same]
             out[name] = agg

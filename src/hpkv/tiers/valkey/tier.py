@@ -259,7 +259,7 @@ class ValkeyTier:
     # -- housekeeping ------------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        return self._stats.snapshot(connected=int(self.conn.up))
+        return self._stats.snapshot(connected=int(self.conn.up), reconnects=self.conn.pool.reconnects)
 
     def count(self, name: str, n: int = 1) -> None:
         self._stats.add(name, n)

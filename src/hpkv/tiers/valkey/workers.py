@@ -66,6 +66,7 @@ class WorkerPool:
         self._up = threading.Event()
         self._gen = 0  # bumped on every reconnect: workers drop clients of older generations
         self._reconnecting = False
+        self.reconnects = 0  # times the server was reached again after being marked down
         self._closed = False
         self._last_warn = 0.0
         self.last_error = ""
@@ -148,6 +149,7 @@ class WorkerPool:
                 continue
             with self._lock:
                 self._gen += 1
+                self.reconnects += 1
                 self._reconnecting = False
                 self._up.set()
             log.warning("hpkv: the valkey tier at %s is reachable again", self.settings.describe())
