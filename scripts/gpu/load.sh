@@ -3,13 +3,16 @@
 # LOAD_TIMEOUT (default 560 s: ~80 s per system and level at 16),
 # LOAD_TURNS (default 3), LOAD_REPEAT (default 1), LOAD_NAME (default serve: names the outputs, for two runs
 # in one call). HPKV_STEP_TRACE=$OUT/trace in the caller's environment traces each hpkv server's steps
-# (scripts/steps.py reads them).
+# (scripts/steps.py reads them). LOAD_ARGS: more `hpkv bench serve` arguments, e.g. "--fault valkey-kill
+# --valkey" (faults under load) or "--repeat 2" with VLLM_BATCH_INVARIANT=1 in the caller's environment
+# (vLLM's batch-invariant kernels: the text check against vLLM alone, and vLLM alone against itself).
 . scripts/gpu/env.sh
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model /root/m7b \
   --compare ${LOAD_COMPARE:-hpkv,none} --users 16 --context 8192 --turns ${LOAD_TURNS:-3} \
   --repeat ${LOAD_REPEAT:-1} \
   --concurrency ${LOAD_LEVELS:-16} --engine-blocks 1000 --pool-size 4G --vllm-args="--enforce-eager" \
+  ${LOAD_ARGS:-} \
   --out $OUT/${LOAD_NAME:-serve} > $OUT/${LOAD_NAME:-serve}.log 2>&1
 echo "rc=$?"; tail -${LOAD_TAIL:-16} $OUT/${LOAD_NAME:-serve}.log
 grep -c "Retrieved.*async" $OUT/${LOAD_NAME:-serve}/vllm-*.log  # hits loaded asynchronously, per system

@@ -12,7 +12,7 @@ import os
 import shutil
 from typing import Any
 
-from hpkv.bench.serve import Turn, run_load, runner_args, sources, summarize
+from hpkv.bench.serve import Turn, hpkv_tiers, run_load, runner_args, sources, summarize
 from hpkv.bench.server import ServerError
 
 
@@ -31,6 +31,7 @@ def replicated_run(
     import types
 
     from hpkv.bench.router import Router
+    from hpkv.bench.texts import read_from, served_by
     from hpkv.bench.ttft import Runner
     from hpkv.bench.verify import Expect, hpkv_deltas
     from hpkv.tiers.memory.hostslots import stop_pool
@@ -48,7 +49,8 @@ def replicated_run(
                 shutil.rmtree(r.work, ignore_errors=True)
                 r.shm, r.work = runners[0].shm, runners[0].work
             runners.append(r)
-            tiers = ["memory", "storage"] + (["valkey"] if args.valkey else [])
+            tiers = hpkv_tiers(args)
+            r.storage = "storage" in tiers
             if not r.start(tiers):
                 run["error"] = r.out.error
                 return run
@@ -61,6 +63,7 @@ def replicated_run(
         hpkv = runners[0].hpkv
         before = [s.settled_stats() for s in servers] if hpkv else None
         eng0 = [s.engine_counters() for s in servers]
+        log_at = [s.log_size() for s in servers]
         router = Router(args.port + 50, [s.port for s in servers]).start()
         front = types.SimpleNamespace(port=router.port, model=servers[0].model)
         result = run_load(front, tokenizer, requests, args.output, level)  # type: ignore[arg-type]
@@ -82,6 +85,12 @@ def replicated_run(
         run["ttfts"] = result["ttfts"]
         run["texts"] = result["generated_texts"]
         run["errors"] = [e for e in result["errors"] if e]
+        run["failed_indices"] = [i for i, e in enumerate(result["errors"]) if e]
+        run["turns"] = [(t.user, t.turn) for t in requests]
+        run["served_by"] = {}
+        for s, at in zip(servers, log_at, strict=True):
+            for i, what in served_by(read_from(s.log_path, at)).items():
+                run["served_by"][i] = f"{what} on :{s.port}"
     except (ServerError, RuntimeError, OSError) as e:
         run["error"] = str(e).splitlines()[0][:300]
     finally:

@@ -69,6 +69,8 @@ class Router:
         conn = http.client.HTTPConnection("127.0.0.1", self.backends[i], timeout=3600)
         try:
             headers = {"Content-Type": h.headers.get("Content-Type", "application/json")}
+            if h.headers.get("X-Request-Id"):  # the bench's request ids name requests in the logs
+                headers["X-Request-Id"] = h.headers["X-Request-Id"]
             conn.request(method, h.path, body=body or None, headers=headers)
             resp = conn.getresponse()
             h.send_response(resp.status)

@@ -33,7 +33,18 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from hpkv.bench.faults import (
+    FAULTS,
+    NEEDS_VALKEY,
+    Fault,
+    Gate,
+    by_turn,
+    fault_counters,
+    print_faults,
+    request_tag,
+)
 from hpkv.bench.server import Server, ServerError
+from hpkv.bench.texts import compare_texts, print_wrong
 
 # hpkv-*: hpkv with settings of its own (see ttft.VARIANT_ENV)
 SYSTEMS = ("hpkv", "hpkv-engine", "hpkv-sync", "hpkv-async", "none", "lmcache", "native")
@@ -129,21 +140,57 @@ def sources(
 
 
 def run_load(
-    server: Server, tokenizer: Any, requests: list[Turn], output_len: int, level: dict[str, float]
+    server: Server,
+    tokenizer: Any,
+    requests: list[Turn],
+    output_len: int,
+    level: dict[str, float],
+    fault: Fault | None = None,
 ) -> dict[str, Any]:
-    """One load level through vLLM's benchmark client (completions endpoint, streamed, greedy)."""
+    """One load level through vLLM's benchmark client (completions endpoint, streamed, greedy), each
+    request sent with the id :func:`request_tag` gives it; ``fault``: put in place between turns."""
+    from vllm.benchmarks import serve as vllm_serve
     from vllm.benchmarks.datasets import SampleRequest
-    from vllm.benchmarks.serve import benchmark
+    from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS as funcs
 
     base = f"http://127.0.0.1:{server.port}"
+    tags = [request_tag(i, t.user, t.turn) for i, t in enumerate(requests)]
     reqs = [
-        SampleRequest(prompt=t.prompt, prompt_len=len(t.prompt), expected_output_len=output_len)
-        for t in requests
+        SampleRequest(
+            prompt=t.prompt, prompt_len=len(t.prompt), expected_output_len=output_len, request_id=tag
+        )
+        for t, tag in zip(requests, tags, strict=True)
     ]
-    return asyncio.run(
-        benchmark(
+    endpoint = "openai"
+    gate = None
+    if fault is not None:
+        gate = Gate(
+            funcs["openai"],
+            fault,
+            {tag: t.turn for tag, t in zip(tags, requests, strict=True)},
+        )
+        endpoint = "hpkv-bench-fault"  # vLLM's client looks its request function up by this name
+        funcs[endpoint] = gate
+    try:
+        return asyncio.run(_benchmark(vllm_serve, endpoint, base, server, tokenizer, reqs, level, gate))
+    finally:
+        funcs.pop("hpkv-bench-fault", None)
+
+
+async def _benchmark(
+    vllm_serve: Any,
+    endpoint: str,
+    base: str,
+    server: Server,
+    tokenizer: Any,
+    reqs: list[Any],
+    level: dict[str, float],
+    gate: Gate | None,
+) -> dict[str, Any]:
+    try:
+        result: dict[str, Any] = await vllm_serve.benchmark(
             task_type=_task_type(),
-            endpoint_type="openai",
+            endpoint_type=endpoint,
             api_url=base + "/v1/completions",
             base_url=base,
             model_id=server.model,
@@ -166,7 +213,10 @@ def run_load(
             extra_body={"temperature": 0},
             ready_check_timeout_sec=0,  # the server is up; its check would also send user 0's prompt
         )
-    )
+        return result
+    finally:
+        if gate is not None:
+            await gate.aclose()
 
 
 def _task_type() -> Any:
@@ -191,6 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-blocks", type=int, default=400, help="vLLM's --num-gpu-blocks-override")
     ap.add_argument("--pool-size", default="256M", help="hpkv's memory pool (and LMCache's L1)")
     ap.add_argument("--valkey", action="store_true", help="give hpkv (and LMCache) an embedded valkey too")
+    ap.add_argument(
+        "--tiers",
+        default="memory,storage",
+        help="hpkv's tiers: memory, with storage and/or valkey (an embedded server), e.g. memory,valkey",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
         "--repeat", type=int, default=1, help="rounds of every (level, system); system order alternates"
@@ -202,6 +257,22 @@ def main(argv: list[str] | None = None) -> int:
         help="engines per system behind a round-robin router (each user's turns alternate between them); "
         "hpkv's replicas share one pool directory and one storage directory",
     )
+    ap.add_argument(
+        "--fault",
+        default="",
+        help=f"also run the first hpkv system with each of these faults, between turns: {', '.join(FAULTS)}",
+    )
+    ap.add_argument(
+        "--fault-turn",
+        type=int,
+        default=None,
+        help="the turn sent with the fault in place (default: turns - 2, at least 1)",
+    )
+    ap.add_argument(
+        "--fault-disk",
+        default="4G",
+        help="the tmpfs a disk-full run's storage is on (holds the run's chunks)",
+    )
     ap.add_argument("--port", type=int, default=8341)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--vllm-args", default="--enforce-eager")
@@ -211,6 +282,20 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         if s not in SYSTEMS:
             ap.error(f"unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    tiers = hpkv_tiers(args)
+    if "memory" not in tiers or not set(tiers) <= {"memory", "storage", "valkey"}:
+        ap.error(f"--tiers {args.tiers!r}: memory and any of storage, valkey, e.g. --tiers memory,valkey")
+    faults = [f for f in args.fault.split(",") if f]
+    if {"disk-full", "corrupt", "delete"} & set(faults) and "storage" not in tiers:
+        ap.error("--fault disk-full, corrupt and delete act on the storage tier: keep storage in --tiers")
+    for f in faults:
+        if f not in FAULTS:
+            ap.error(f"--fault {f!r}: choose from {', '.join(FAULTS)}, e.g. --fault valkey-kill,disk-full")
+    faulted = next((s for s in systems if s.startswith("hpkv")), None)
+    if faults and (faulted is None or args.replicas > 1):
+        ap.error("--fault runs an hpkv system on one engine: --compare hpkv,none (and no --replicas)")
+    if faults and not 0 < fault_turn(args) < args.turns:
+        ap.error(f"--fault-turn {fault_turn(args)}: a turn after the first and before --turns {args.turns}")
     if args.rate:
         levels = [{"rate": float(x)} for x in args.rate.split(",")]
     else:
@@ -236,17 +321,39 @@ def main(argv: list[str] | None = None) -> int:
                     go(args, system, model, tokenizer, requests, level, chunk, warm) | {"repeat": rep}
                 )
                 _print_run(runs[-1])
-    _compare_texts(runs)
+                if system == faulted:
+                    for kind in faults:
+                        runs.append(
+                            one_run(args, system, model, tokenizer, requests, level, chunk, warm, kind)
+                            | {"repeat": rep}
+                        )
+                        _print_run(runs[-1])
+    compare_texts(runs)
     report = {"args": vars(args), "model": model, "requests": len(requests), "runs": runs}
     path = os.path.join(args.out, "serve.json")
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
     print_table(runs, args)
+    print_wrong(runs)
+    print_faults(runs)
     if args.repeat > 1:
         print_spread(runs)
     print(f"every run: {path}")
     print(f"charts: {charts(runs, args.out)}")
     return 0 if all(not r.get("error") for r in runs) else 1
+
+
+def hpkv_tiers(args: argparse.Namespace, fault_kind: str | None = None) -> list[str]:
+    tiers = [t for t in args.tiers.split(",") if t]
+    if args.valkey or fault_kind in NEEDS_VALKEY:
+        tiers.append("valkey")
+    return list(dict.fromkeys(tiers))
+
+
+def fault_turn(args: argparse.Namespace) -> int:
+    """The turn sent with ``--fault`` in place: ``--fault-turn``, else the second-to-last (the
+    first turns are cold for every system; the last shows the recovery)."""
+    return int(args.fault_turn) if args.fault_turn is not None else max(1, int(args.turns) - 2)
 
 
 def runner_args(args: argparse.Namespace, port: int, out: str) -> argparse.Namespace:
@@ -255,6 +362,7 @@ def runner_args(args: argparse.Namespace, port: int, out: str) -> argparse.Names
         url=None,
         pool_size=args.pool_size,
         remote_url=None,
+        valkey_link_mbs=0,
         tokens=args.context + args.question + args.output,
         vllm_args=f"{args.vllm_args} --num-gpu-blocks-override {args.engine_blocks}",
         port=port,
@@ -281,15 +389,24 @@ def one_run(
     level: dict[str, float],
     chunk: int,
     warm: list[list[int]],
+    fault_kind: str | None = None,
 ) -> dict[str, Any]:
-    """A fresh server for ``system`` (tiers empty), warm-up (``warm``), the load, the counters around it."""
+    """A fresh server for ``system`` (tiers empty), warm-up (``warm``), the load (with ``fault_kind``
+    put in place between turns), the counters around it."""
+    from hpkv.bench.texts import read_from, served_by
     from hpkv.bench.ttft import Runner
     from hpkv.bench.verify import Expect, hpkv_deltas
 
     run: dict[str, Any] = {"system": system, "level": level}
     runner = Runner(runner_args(args, args.port, args.out), system, model, [], Expect(0, 0, 0), [])
+    fault = None
     try:
-        tiers = ["memory", "storage"] + (["valkey"] if args.valkey else [])
+        tiers = hpkv_tiers(args, fault_kind)
+        runner.storage = "storage" in tiers
+        if fault_kind is not None:
+            run["fault"] = fault_kind
+            fault = Fault(fault_kind, fault_turn(args), runner, disk_size=args.fault_disk)
+            fault.prepare(runner._storage_dir())
         if not runner.start(tiers):
             run["error"] = runner.out.error
             return run
@@ -300,8 +417,10 @@ def one_run(
         is_hpkv = runner.hpkv
         before = server.settled_stats() if is_hpkv else None
         eng0 = server.engine_counters()
-        result = run_load(server, tokenizer, requests, args.output, level)
+        log_at = server.log_size()
+        result = run_load(server, tokenizer, requests, args.output, level, fault)
         after = server.drained_stats() if is_hpkv else None
+        run["served_by"] = served_by(read_from(server.log_path, log_at))
         eng1 = server.engine_counters()
         engine = {k: eng1.get(k, 0) - eng0.get(k, 0) for k in eng1}
         hp = None
@@ -318,31 +437,21 @@ def one_run(
         run["sent_at"] = sent  # perf_counter: CLOCK_MONOTONIC on Linux, as an HPKV_STEP_TRACE's stamps
         run["texts"] = result["generated_texts"]
         run["errors"] = [e for e in result["errors"] if e]
+        run["failed_indices"] = [i for i, e in enumerate(result["errors"]) if e]
+        run["turns"] = [(t.user, t.turn) for t in requests]
+        run["by_turn"] = by_turn(result, requests)
+        if fault is not None:
+            run["fault_turn"] = fault.at_turn
+            run["fault_events"] = [(what, t - min(sent)) for what, t in fault.events] if sent else []
+            if before is not None and after is not None:
+                run["fault_counters"] = fault_counters(before, after)
     except (ServerError, RuntimeError, OSError) as e:
         run["error"] = str(e).splitlines()[0][:300]
     finally:
+        if fault is not None:  # first: a stopped valkey-server resumes, so it can be stopped
+            fault.close()
         runner.close()
     return run
-
-
-def _compare_texts(runs: list[dict[str, Any]]) -> None:
-    """Per run: how many generated texts equal vLLM alone's for the same request at the same level."""
-    for r in runs:
-        ref = next(
-            (
-                x
-                for x in runs
-                if x["system"] == "none"
-                and x["level"] == r["level"]
-                and x.get("repeat") == r.get("repeat")
-                and "texts" in x
-            ),
-            None,
-        )
-        if ref is None or "texts" not in r:
-            continue
-        same = sum(a == b for a, b in zip(r["texts"], ref["texts"], strict=True))
-        r["texts_equal_to_none"] = [same, len(ref["texts"])]
 
 
 def _level_name(level: dict[str, float]) -> str:

@@ -336,6 +336,7 @@ class Runner:
         self.server: Server | None = None
         self.lmcache: Any = None
         self.peer_python = sys.executable
+        self.storage = True  # hpkv gets a storage tier (the serve bench's --tiers can leave it out)
 
     # -- the plan ---------------------------------------------------------------------------
 
@@ -408,7 +409,7 @@ class Runner:
             {
                 "HPKV_KV_MEM_POOL_SIZE": args.pool_size,
                 "HPKV_SHARE_MEM_FILE_PATH": self.shm,
-                "HPKV_KV_STORAGE_PATH": self._storage_dir(),
+                "HPKV_KV_STORAGE_PATH": self._storage_dir() if self.storage else "",
                 "VLLM_SERVER_DEV_MODE": "1",
             }
         )

@@ -307,7 +307,7 @@ class HpkvWorker:
             extra = f"; async, {detail}{(time.monotonic() - since) * 1e3:.1f} ms from the lookup to now"
         log.info(
             "hpkv: Retrieved %d out of %d required tokens (from %d total tokens). size: %.4f gb, "
-            "cost %.4f ms, throughput: %.4f GB/s (%s%s)" + self._shard,
+            "cost %.4f ms, throughput: %.4f GB/s (%s%s)" + self._shard + "; request %s",
             loaded,
             req.requested_tokens,
             req.prompt_tokens,
@@ -316,6 +316,7 @@ class HpkvWorker:
             gb / dt if dt > 0 else 0.0,
             tiers or "memory",
             extra,
+            req.req_id,
         )
 
     def wait_layer(self, index: int) -> None:
