@@ -182,6 +182,7 @@ def test_a_hit_over_a_slow_link_is_recomputed_and_no_slower_than_the_cold_prefil
             assert c.delta("valkey", "hits") == 0
         finally:
             s.stop()
+            shutil.rmtree(s.env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
 
 
 def test_a_hit_over_a_fast_link_loads_whole(demo_model: str, tmp: str, valkey: ValkeyServers) -> None:
@@ -194,3 +195,4 @@ def test_a_hit_over_a_fast_link_loads_whole(demo_model: str, tmp: str, valkey: V
         assert c.delta("connector", "loaded_tokens") == 12 * CHUNK
     finally:
         s.stop()
+        shutil.rmtree(s.env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
