@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.bench.serve import charts, percentile, sessions, sources, summarize, warmups
+from hpkv.bench.serve import percentile, sessions, sources, summarize, warmups
+from hpkv.bench.serve_report import charts
 
 
 def test_turns_are_round_robin_and_reuse_each_users_context() -> None:

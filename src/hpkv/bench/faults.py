@@ -313,32 +313,3 @@ def fault_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, i
         for tier, name in FAULT_COUNTERS
         if tier in tiers or tier == "connector"
     }
-
-
-def print_faults(runs: list[dict[str, Any]]) -> None:
-    """One table per fault: each turn of the run with the fault next to the same turn without it."""
-    base = next(
-        (r for r in runs if r["system"].startswith("hpkv") and not r.get("fault") and "by_turn" in r), None
-    )
-    for r in runs:
-        if not r.get("fault") or "by_turn" not in r:
-            continue
-        print(f"\nfault {r['fault']}: {FAULTS[r['fault']]}; in place for turn {r['fault_turn']}")
-        print(
-            f"{'turn':<14}{'TTFT p50':>10}{'p99':>8}{'req/s':>8}{'failed':>8}{'wrong':>7}"
-            "   without the fault: p50 / p99 / req/s"
-        )
-        wrong_turns = [w["turn"] for w in r.get("wrong", [])]
-        for t in r["by_turn"]:
-            n = int(t["turn"])
-            what = "during" if n == r["fault_turn"] else ("before" if n < r["fault_turn"] else "after")
-            ref = ""
-            if base is not None and n < len(base["by_turn"]):
-                b = base["by_turn"][n]
-                ref = f"   {b['ttft_p50_ms']:.0f} / {b['ttft_p99_ms']:.0f} / {b['requests_per_s']:.2f}"
-            print(
-                f"{f'{n} ({what})':<14}{t['ttft_p50_ms']:>10.0f}{t['ttft_p99_ms']:>8.0f}"
-                f"{t['requests_per_s']:>8.2f}{int(t['failed']):>8}{wrong_turns.count(n):>7}{ref}"
-            )
-        counters = ", ".join(f"{k} {v}" for k, v in r.get("fault_counters", {}).items() if v)
-        print(f"hpkv's counters over the run: {counters or 'none moved'}")
