@@ -98,6 +98,7 @@ def test_valkey_killed_under_load_fails_nothing_and_its_hits_come_back_after_the
     turns = killed["turns"]
     after = [i for i, (_, t) in enumerate(turns) if t == 3]
     served = killed["served_by"]
+    assert any("reached valkey again" in what for what, _ in killed["fault_events"]), killed["fault_events"]
     assert any("valkey" in served.get(str(i), "") for i in after), served
     assert [t["failed"] for t in killed["by_turn"]] == [0, 0, 0, 0]
 

@@ -148,10 +148,26 @@ class Fault:
             self.runner.valkey.restart()
         elif self.kind == "valkey-pause":
             self._signal_valkey(signal.SIGCONT)
+        if self.kind in NEEDS_VALKEY:
+            # The next turn is sent once hpkv has reached the server again (it retries every few
+            # seconds): how long that took is part of the recovery, in the events.
+            self._wait_connected(timeout=60)
         elif self.kind == "disk-full" and self._filler:
             os.unlink(self._filler)
             self._filler = None
         self.events.append(("end", time.perf_counter()))
+
+    def _wait_connected(self, timeout: float) -> None:
+        since = time.perf_counter()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            tiers = self.runner.server.hpkv_stats().get("tiers", {})
+            if tiers.get("valkey", {}).get("connected"):
+                waited = time.perf_counter() - since
+                self.events.append((f"hpkv reached valkey again {waited:.1f} s later", time.perf_counter()))
+                return
+            time.sleep(0.1)
+        self.events.append((f"hpkv had not reached valkey again after {timeout:.0f} s", time.perf_counter()))
 
     def _signal_valkey(self, sig: int) -> None:
         for node in self.runner.valkey.nodes:
