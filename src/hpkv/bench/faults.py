@@ -144,11 +144,11 @@ class Fault:
             # The writes of the turn that ran with the fault meet it too: hpkv writes behind, up
             # to a second after a store, and the next turn waits at the gate meanwhile.
             self.runner.server.drained_stats(timeout=60)
-        if self.kind == "valkey-kill":
-            self.runner.valkey.restart()
-        elif self.kind == "valkey-pause":
-            self._signal_valkey(signal.SIGCONT)
         if self.kind in NEEDS_VALKEY:
+            if self.kind == "valkey-kill":
+                self.runner.valkey.restart()
+            else:
+                self._signal_valkey(signal.SIGCONT)
             # The next turn is sent once hpkv has reached the server again (it retries every few
             # seconds): how long that took is part of the recovery, in the events.
             self._wait_connected(timeout=60)
