@@ -20,7 +20,7 @@ def test_revisits_are_served_by_hpkvs_tiers_with_vllm_alones_texts(
     rc = serve_main(
         ["--model", demo_model, "--compare", "hpkv,none", "--users", "4", "--context", "1024",
          "--turns", "2", "--output", "8", "--concurrency", "1", "--engine-blocks", "40",
-         "--pool-size", "3M", "--port", "8491", "--out", out]
+         "--pool-size", "3M", "--port", "8491", "--logprobs", "3", "--out", out]
     )  # fmt: skip
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -44,6 +44,10 @@ def test_revisits_are_served_by_hpkvs_tiers_with_vllm_alones_texts(
     assert 0 <= s["hpkv_memory"] + s["hpkv_storage"] - s["connector"] <= 4 * 256, s
     # The same greedy texts as vLLM alone's, request by request.
     assert hp["texts_equal_to_none"] == [8, 8]
+    # Each token's log-probabilities came back and agree (float32 here: to the last bits), and the
+    # check they feed fails every request set against another user's.
+    assert all(len(steps) == 8 for steps in hp["steps"] + none["steps"])
+    assert hp["texts_right"] == [8, 8] and hp["logprob_diff"] < 1e-3 and hp["check_power"] == [0, 8]
     assert os.path.getsize(os.path.join(out, "serve.png")) > 1000
     assert "prompt tokens from" in text
     # The cold first turns apart from the revisits: the four users' first turns are the first requests.

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpkv.bench.faults import FAULTS, NEEDS_VALKEY, Fault, Gate, by_turn, fault_counters, request_tag
+from hpkv.bench.logprobs import LogprobClient
 from hpkv.bench.serve_report import charts, print_faults, print_run, print_spread, print_table
 from hpkv.bench.server import Server, ServerError
 from hpkv.bench.texts import compare_texts, print_wrong
@@ -137,9 +138,11 @@ def run_load(
     output_len: int,
     level: dict[str, float],
     fault: Fault | None = None,
+    logprobs: int = 0,
 ) -> dict[str, Any]:
     """One load level through vLLM's benchmark client (completions endpoint, streamed, greedy), each
-    request sent with the id :func:`request_tag` gives it; ``fault``: put in place between turns."""
+    request sent with the id :func:`request_tag` gives it; ``fault``: put in place between turns;
+    ``logprobs``: each token's top log-probabilities are kept too (``steps``, per request)."""
     from vllm.benchmarks import serve as vllm_serve
     from vllm.benchmarks.datasets import SampleRequest
     from vllm.benchmarks.lib.endpoint_request_func import ASYNC_REQUEST_FUNCS as funcs
@@ -152,20 +155,22 @@ def run_load(
         )
         for t, tag in zip(requests, tags, strict=True)
     ]
-    endpoint = "openai"
+    inner = funcs["openai"]
+    client = None
+    if logprobs:
+        inner = client = LogprobClient(logprobs)
     gate = None
     if fault is not None:
-        gate = Gate(
-            funcs["openai"],
-            fault,
-            {tag: t.turn for tag, t in zip(tags, requests, strict=True)},
-        )
-        endpoint = "hpkv-bench-fault"  # vLLM's client looks its request function up by this name
-        funcs[endpoint] = gate
+        inner = gate = Gate(inner, fault, {tag: t.turn for tag, t in zip(tags, requests, strict=True)})
+    endpoint = "hpkv-bench"  # vLLM's client looks its request function up by this name
+    funcs[endpoint] = inner
     try:
-        return asyncio.run(_benchmark(vllm_serve, endpoint, base, server, tokenizer, reqs, level, gate))
+        result = asyncio.run(_benchmark(vllm_serve, endpoint, base, server, tokenizer, reqs, level, gate))
     finally:
-        funcs.pop("hpkv-bench-fault", None)
+        funcs.pop(endpoint, None)
+    if client is not None:
+        result["steps"] = [client.steps.get(tag, []) for tag in tags]
+    return result
 
 
 async def _benchmark(
@@ -264,6 +269,19 @@ def main(argv: list[str] | None = None) -> int:
         default="4G",
         help="the tmpfs a disk-full run's storage is on (holds the run's chunks)",
     )
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        default=0,
+        help="keep each token's top N log-probabilities: a text that differs from vLLM alone's only "
+        "after a tie (bf16 on GPUs) is then told from a wrong one (e.g. 5)",
+    )
+    ap.add_argument(
+        "--logprob-tolerance",
+        type=float,
+        default=0.1,
+        help="with --logprobs: how far two runs' log-probabilities may differ, and how close a tie is",
+    )
     ap.add_argument("--port", type=int, default=8341)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--vllm-args", default="--enforce-eager")
@@ -319,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                             | {"repeat": rep}
                         )
                         print_run(runs[-1])
-    compare_texts(runs)
+    compare_texts(runs, args.logprob_tolerance)
     report = {"args": vars(args), "model": model, "requests": len(requests), "runs": runs}
     path = os.path.join(args.out, "serve.json")
     with open(path, "w") as f:
@@ -409,7 +427,7 @@ def one_run(
         before = server.settled_stats() if is_hpkv else None
         eng0 = server.engine_counters()
         log_at = server.log_size()
-        result = run_load(server, tokenizer, requests, args.output, level, fault)
+        result = run_load(server, tokenizer, requests, args.output, level, fault, args.logprobs)
         after = server.drained_stats() if is_hpkv else None
         run["served_by"] = served_by(read_from(server.log_path, log_at))
         eng1 = server.engine_counters()
@@ -427,6 +445,8 @@ def one_run(
         run["sent_s"] = [t - min(sent) for t in sent]
         run["sent_at"] = sent  # perf_counter: CLOCK_MONOTONIC on Linux, as an HPKV_STEP_TRACE's stamps
         run["texts"] = result["generated_texts"]
+        if "steps" in result:
+            run["steps"] = result["steps"]
         run["errors"] = [e for e in result["errors"] if e]
         run["failed_indices"] = [i for i, e in enumerate(result["errors"]) if e]
         run["turns"] = [(t.user, t.turn) for t in requests]

@@ -62,6 +62,8 @@ def print_table(runs: list[dict[str, Any]], args: argparse.Namespace) -> None:
             )
         same = r.get("texts_equal_to_none")
         texts = f"; texts {same[0]}/{same[1]}" if same and r["system"] != "none" else ""
+        if texts and "texts_right" in r:
+            texts += f" equal, {r['texts_right'][0]}/{r['texts_right'][1]} right"
         fails = f"; {len(r['errors'])} failed" if r.get("errors") else ""
         print(
             f"{name:<16}{label(r):<18}{m['requests_per_s']:>7.2f}{m['output_tokens_per_s']:>10.1f}"
