@@ -23,6 +23,10 @@ def test_a_tie_in_both_runs_is_right_and_anything_else_is_wrong() -> None:
     # The same parting where the reference preferred its token by far: wrong.
     clear = [("a", -0.5, {"a": -0.5, "b": -1.5}), ("c", -0.1, {"c": -0.1, "d": -3.0})]
     right, _, _, why = check(tie, clear, 0.1)
+    assert not right and "differ by 2.3 by token 1" in why
+    # Candidates that agree, at a token where the reference's choice led by more than a tie: wrong.
+    lead = [("a", -0.5, {"a": -0.5, "b": -1.5}), ("c", -0.5, {"c": -0.5, "d": -0.65})]
+    right, _, _, why = check([lead[0], ("d", -0.56, {"d": -0.56, "c": -0.57})], lead, 0.1)
     assert not right and "not a tie" in why
     # A token the other run did not even rank: wrong.
     other = [("a", -0.5, {"a": -0.5, "b": -1.5}), ("z", -0.70, {"z": -0.70, "d": -0.71})]
@@ -53,5 +57,5 @@ def test_compare_texts_counts_ties_as_right_and_measures_the_checks_power() -> N
     assert hpkv["texts_equal_to_none"] == [1, 2]
     assert hpkv["texts_right"] == [2, 2] and hpkv["wrong"] == []
     assert [t["request"] for t in hpkv["ties"]] == [0]
-    assert hpkv["check_power"] == [0, 2]  # user 0's tokens against user 1's: never right
+    assert hpkv["check_power"] == [0, 2]  # each turn against the other user's (one turn each): never right
     assert power([far], [far], [0], 0.1) == 1

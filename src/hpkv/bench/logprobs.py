@@ -6,7 +6,7 @@ candidate tokens are nearly tied, the last bits decide. A text that differs from
 then still right if it differs only at such a tie: the same tokens with the same log-probabilities
 (within ``tolerance``) up to a token where the two choices were within ``tolerance`` of each other in
 both runs. KV from the wrong prompt, or wrong bytes, moves log-probabilities far more than that, which
-the bench shows by running the same check between different users' requests (:func:`power`).
+the bench shows by running the same check between requests with different prompts (:func:`power`).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ class LogprobClient:
             "stream": True,
             "stream_options": {"include_usage": True},
             "ignore_eos": rfi.ignore_eos,
+            # Candidates named by id: several tokens can decode to the same text (e.g. "" for a
+            # partial UTF-8 sequence), which would make two runs' candidates look alike or apart.
+            "return_tokens_as_token_ids": True,
             **(rfi.extra_body or {}),
         }
         headers = {"x-request-id": rfi.request_id} if rfi.request_id else {}
@@ -93,14 +96,18 @@ def _steps(logprobs: dict[str, Any] | None) -> list[Step]:
 
 def check(mine: list[Step], ref: list[Step], tolerance: float) -> tuple[bool, int, float, str]:
     """``mine`` against ``ref``: (right, the first token that differs (``len`` if none), the largest
-    log-probability difference of the tokens before it, why). Right: no token differs, or the first
-    that does was a tie within ``tolerance`` in both runs, and every token before it agreed within
-    ``tolerance``."""
+    log-probability difference up to it, why). Right: at every token up to the first that differs,
+    each candidate both runs ranked has log-probabilities within ``tolerance`` of each other, and
+    at that token each run's choice was within ``tolerance`` of the other's (a tie in both)."""
     n = min(len(mine), len(ref))
     first = next((i for i in range(n) if mine[i][0] != ref[i][0]), n)
-    largest = max((abs(mine[i][1] - ref[i][1]) for i in range(first)), default=0.0)
+    largest = 0.0
+    for i in range(min(first + 1, n)):
+        (_, lp_a, top_a), (_, lp_b, top_b) = mine[i], ref[i]
+        diffs = [abs(top_a[t] - top_b[t]) for t in top_a.keys() & top_b.keys()]
+        largest = max(largest, *diffs, abs(lp_a - lp_b) if i < first else 0.0)
     if largest > tolerance:
-        return False, first, largest, f"log-probabilities differ by {largest:.3g} before token {first}"
+        return False, first, largest, f"log-probabilities differ by {largest:.3g} by token {first}"
     if first == n:
         if len(mine) != len(ref):
             return False, first, largest, f"{len(mine)} tokens against {len(ref)}"
@@ -109,12 +116,8 @@ def check(mine: list[Step], ref: list[Step], tolerance: float) -> tuple[bool, in
     gaps = []
     for (_, lp, top), other in ((mine[first], b), (ref[first], a)):
         if other not in top:
-            return (
-                False,
-                first,
-                largest,
-                f"token {first}: {other!r} is not among the other run's top {len(top)}",
-            )
+            why = f"token {first}: {other!r} is not among the other run's top {len(top)}"
+            return False, first, largest, why
         gaps.append(lp - top[other])
     if max(gaps) > tolerance:
         return False, first, largest, f"token {first}: not a tie (margins {gaps[0]:.3g}, {gaps[1]:.3g})"

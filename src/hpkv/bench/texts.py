@@ -57,7 +57,7 @@ def compare_texts(runs: list[dict[str, Any]], tolerance: float = 0.1) -> None:
     Where both runs kept log-probabilities (``steps``), a text that differs only after a tie is right
     (:func:`hpkv.bench.logprobs.check`; listed in ``ties``), ``texts_right`` counts the right ones,
     ``logprob_diff`` is the largest difference seen before any text parted, and ``check_power`` is
-    how many requests the same check passes against a different user's request of the same turn."""
+    how many requests the same check passes against another prompt's (:func:`_neighbours`)."""
     for r in runs:
         if "texts" not in r:
             continue
@@ -98,15 +98,22 @@ def compare_texts(runs: list[dict[str, Any]], tolerance: float = 0.1) -> None:
             r["ties"] = ties
             r["texts_right"] = [len(r["texts"]) - len(wrong), len(ref["texts"])]
             r["logprob_diff"] = largest
-            others = _other_users(turns)
+            others = _neighbours(turns)
             r["check_power"] = [power(steps, ref["steps"], others, tolerance), len(others)]
 
 
-def _other_users(turns: list[Any]) -> list[int]:
-    """For each request, the index of the next user's request of the same turn (itself if alone)."""
+def _neighbours(turns: list[Any]) -> list[int]:
+    """For each request, a request with another prompt that shares the most with it: the same
+    user's next turn (the same context, another question), else the next user's request."""
     at = {(u, t): i for i, (u, t) in enumerate(turns)}
     users = sorted({u for u, _ in turns})
-    return [at.get((users[(users.index(u) + 1) % len(users)], t), i) for i, (u, t) in enumerate(turns)]
+    rounds = sorted({t for _, t in turns})
+    out = []
+    for i, (u, t) in enumerate(turns):
+        same_user = at.get((u, rounds[(rounds.index(t) + 1) % len(rounds)]), i)
+        next_user = at.get((users[(users.index(u) + 1) % len(users)], t), i)
+        out.append(same_user if same_user != i else next_user)
+    return out
 
 
 def print_wrong(runs: list[dict[str, Any]]) -> None:
@@ -118,8 +125,8 @@ def print_wrong(runs: list[dict[str, Any]]) -> None:
             print(
                 f"{name}: {right}/{n} texts right ({r['texts_equal_to_none'][0]} equal to vLLM alone's, "
                 f"{len(r['ties'])} parting only after a tie); log-probabilities agreed within "
-                f"{r['logprob_diff']:.3g} before any text parted; the same check between two users' "
-                f"requests passes {passed} of {tried}"
+                f"{r['logprob_diff']:.3g} up to where any text parted; the same check against another prompt "
+                f"(the same user's next turn: its context, another question) passes {passed} of {tried}"
             )
         for w in r.get("wrong", [])[:20]:
             print(
