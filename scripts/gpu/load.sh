@@ -4,8 +4,8 @@
 # LOAD_TURNS (default 3), LOAD_REPEAT (default 1), LOAD_NAME (default serve: names the outputs, for two runs
 # in one call). HPKV_STEP_TRACE=$OUT/trace in the caller's environment traces each hpkv server's steps
 # (scripts/steps.py reads them). LOAD_ARGS: more `hpkv bench serve` arguments, e.g. "--fault valkey-kill
-# --valkey" (faults under load) or "--repeat 2" with VLLM_BATCH_INVARIANT=1 in the caller's environment
-# (vLLM's batch-invariant kernels: the text check against vLLM alone, and vLLM alone against itself).
+# --valkey" (faults under load) or "--logprobs 5" with VLLM_BATCH_INVARIANT=1 in the caller's environment
+# (vLLM's batch-invariant kernels and each token's log-probabilities: the text check against vLLM alone).
 . scripts/gpu/env.sh
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model /root/m7b \
