@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -100,3 +102,50 @@ def test_a_short_auth_key_is_refused_without_echoing_it() -> None:
     with pytest.raises(HpkvConfigError, match="HPKV_AUTH_KEY is shorter than 16 bytes") as e:
         HpkvConfig.load(env={"HPKV_AUTH_KEY": "hunter2"})
     assert "hunter2" not in str(e.value)
+
+
+def check_in_pieces(buf: bytes | bytearray, cuts: list[int], ns: bytes = NS, key: bytes = KEY) -> Verdict:
+    """What a Checker says of ``buf`` read as its header, then the payload cut at ``cuts``."""
+    c = record.Checker(ns, key, len(buf) - HEADER_BYTES)
+    v = c.header(memoryview(buf)[:HEADER_BYTES])
+    if v is not Verdict.OK:
+        return v
+    edges = [HEADER_BYTES, *sorted(HEADER_BYTES + x for x in cuts), len(buf)]
+    for a, b in itertools.pairwise(edges):
+        c.update(memoryview(buf)[a:b])
+    return c.finish()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=4096), st.data())
+def test_a_record_checked_in_pieces_gets_verifys_verdict(payload: bytes, data: st.DataObject) -> None:
+    buf = make(payload)
+    cuts = data.draw(st.lists(st.integers(0, len(payload)), max_size=4))
+    assert check_in_pieces(buf, cuts) is Verdict.OK
+    pos = data.draw(st.integers(0, len(buf) - 1))
+    if not HEADER_BYTES - 8 <= pos < HEADER_BYTES:
+        buf[pos] ^= 1 << data.draw(st.integers(0, 7))
+        assert check_in_pieces(buf, cuts) is record.verify(memoryview(buf), len(buf), NS, KEY, len(payload))
+
+
+def test_a_checker_refuses_another_key_or_namespace_and_a_short_payload() -> None:
+    buf = make(b"z" * 500)
+    assert check_in_pieces(buf, [100], key=bytes(16)) is Verdict.WRONG_KEY
+    assert check_in_pieces(buf, [100], ns=bytes(16)) is Verdict.WRONG_NAMESPACE
+    c = record.Checker(NS, KEY, 500)
+    assert c.header(memoryview(buf)[:HEADER_BYTES]) is Verdict.OK
+    c.update(memoryview(buf)[HEADER_BYTES:-1])
+    assert c.finish() is Verdict.SHORT
+    assert record.Checker(NS, KEY, 500).finish() is Verdict.BAD_HEADER  # no header seen: never OK
+
+
+def test_a_checker_checks_the_mac_when_there_is_an_auth_key() -> None:
+    record.set_auth_key(b"k" * 32)
+    try:
+        buf = make(b"m" * 3000)
+        assert check_in_pieces(buf, [1000, 2000]) is Verdict.OK
+        buf[HEADER_BYTES + 1500] ^= 1
+        assert check_in_pieces(buf, [1000, 2000]) is Verdict.BAD_CHECKSUM
+    finally:
+        record.set_auth_key(None)
+    assert check_in_pieces(make(b"m" * 3000), [10]) is Verdict.OK

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import mmap
 import os
 import stat
@@ -333,3 +334,75 @@ def test_a_direct_write_the_device_refuses_goes_buffered(
     if _direct_supported(os.path.join(storage_dir, "v1")):
         assert refused == [0]  # the direct write was tried, refused, and the record went buffered
         assert io._direct_ok  # one refused write does not turn direct writes off for good
+
+
+def pieces_of(payload: int, cuts: tuple[int, ...]) -> list[memoryview]:
+    """A payload's destination in separate writable pieces (as a host page's K and V runs)."""
+    edges = [0, *cuts, payload]
+    return [memoryview(bytearray(b - a)) for a, b in itertools.pairwise(edges)]
+
+
+def test_a_cached_file_is_read_straight_into_its_pieces(storage_dir: str) -> None:
+    t = tier(storage_dir)
+    r = rec(k(1), 0)
+    r[record.HEADER_BYTES :] = os.urandom(PAYLOAD)
+    record.seal(r, NS, k(1), PAYLOAD)
+    t.write(k(1), r)  # buffered: the file is in the page cache
+    pieces = pieces_of(PAYLOAD, (1000, 3001))
+    assert t.read_payload_into(k(1), pieces) is True
+    assert b"".join(bytes(p) for p in pieces) == bytes(r[record.HEADER_BYTES :])
+    s = t.stats()
+    assert s["in_place_reads"] == 1 and s["hits"] == 1 and s["bytes_read"] == PAYLOAD
+    assert t.read_payload_into(k(2), pieces_of(PAYLOAD, ())) is None  # no such file: for read_into
+    with pytest.raises(ValueError):
+        t.read_payload_into(k(1), pieces_of(PAYLOAD - 1, ()))
+
+
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "other_key", "truncate"])
+def test_a_damaged_file_read_in_place_is_a_counted_miss_and_removed(storage_dir: str, damage: str) -> None:
+    t = tier(storage_dir)
+    t.write(k(1), rec(k(1), 9))
+    path = t.path(k(1))
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    if damage == "flip_payload":
+        data[-100] ^= 0x10
+    elif damage == "flip_header":
+        data[40] ^= 0x01
+    elif damage == "other_key":
+        data = bytearray(rec(k(2), 9))
+    else:
+        data = data[:-10]
+    with open(path, "wb") as f:
+        f.write(data)
+    got = t.read_payload_into(k(1), pieces_of(PAYLOAD, (2500,)))
+    s = t.stats()
+    if damage == "truncate":  # not a record's size: left to read_into, which counts and removes it
+        assert got is None and s["corrupt"] == 0
+        assert not t.read_into(k(1), buf())
+        s = t.stats()
+    else:
+        assert got is False
+    assert s["corrupt"] == 1 and s["misses"] == 1 and s["hits"] == 0 and s["in_place_reads"] == 0
+    assert not os.path.exists(path) and not t.contains(k(1))
+
+
+def test_a_file_not_in_the_page_cache_is_left_to_the_direct_read(storage_dir: str) -> None:
+    from hpkv.tiers.disk.io import in_page_cache
+
+    t = tier(storage_dir)
+    t.write(k(1), rec(k(1), 5))
+    path = t.path(k(1))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cached = in_page_cache(path)
+    got = t.read_payload_into(k(1), pieces_of(PAYLOAD, ()))
+    if t.stats()["o_direct"] and not cached:
+        assert got is None  # read_into reads it with O_DIRECT, past the page cache
+        assert t.read_into(k(1), buf())
+    else:  # no O_DIRECT here (tmpfs), or the kernel kept the pages: read at memory speed anyway
+        assert got is True

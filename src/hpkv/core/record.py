@@ -31,6 +31,7 @@ import hmac
 import struct
 import threading
 from enum import Enum
+from typing import Any
 
 import xxhash
 
@@ -142,3 +143,55 @@ def verify(
     if checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_len]) != digest:
         return Verdict.BAD_CHECKSUM
     return Verdict.OK
+
+
+class Checker:
+    """:func:`verify` for a record read in pieces into memory that is not one buffer (the payload
+    straight into an engine's pages): :meth:`header` first, then :meth:`update` with each piece of
+    the payload in order, then :meth:`finish`. The payload's bytes are the caller's to discard
+    unless :meth:`finish` says OK."""
+
+    def __init__(self, namespace: bytes, key: bytes, payload_len: int) -> None:
+        self.namespace, self.key, self.payload_len = namespace, key, payload_len
+        self._auth = _auth_key
+        self._seen = 0
+        self._expected: int | bytes = 0
+        self._hash: Any = None
+
+    def header(self, hdr: memoryview | bytes) -> Verdict:
+        """Check the 64 header bytes; on OK the payload's pieces may follow."""
+        if len(hdr) < HEADER_BYTES:
+            return Verdict.SHORT
+        magic, version, hlen, ns, k, length, digest = _HEADER.unpack_from(hdr, 0)
+        expected = RECORD_VERSION if self._auth is None else RECORD_VERSION_MAC
+        if magic != MAGIC or version != expected or hlen != HEADER_BYTES:
+            return Verdict.BAD_HEADER
+        if ns != self.namespace:
+            return Verdict.WRONG_NAMESPACE
+        if k != self.key:
+            return Verdict.WRONG_KEY
+        if length != self.payload_len:
+            return Verdict.WRONG_LENGTH
+        if self._auth is None:
+            self._expected, self._hash = digest, xxhash.xxh3_64()
+        else:
+            self._expected = bytes(hdr[_MAC_AT:HEADER_BYTES])
+            self._hash = hashlib.blake2b(
+                bytes(hdr[:_MAC_AT]), digest_size=16, key=self._auth, person=b"hpkv-record-mac"
+            )
+        return Verdict.OK
+
+    def update(self, piece: memoryview) -> None:
+        self._hash.update(piece)
+        self._seen += len(piece)
+
+    def finish(self) -> Verdict:
+        if self._hash is None:
+            return Verdict.BAD_HEADER
+        if self._seen != self.payload_len:
+            return Verdict.SHORT if self._seen < self.payload_len else Verdict.WRONG_LENGTH
+        if self._auth is None:
+            ok = self._hash.intdigest() == self._expected
+        else:
+            ok = hmac.compare_digest(self._hash.digest(), self._expected)
+        return Verdict.OK if ok else Verdict.BAD_CHECKSUM

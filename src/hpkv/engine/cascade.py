@@ -15,6 +15,7 @@ How long each chunk waited (queued to written on every tier) is kept: :meth:`Cas
 from __future__ import annotations
 
 import logging
+import mmap
 import queue
 import threading
 import time
@@ -42,7 +43,7 @@ CASCADE_RECHECK_S = 0.5
 STEPS_IN_FLIGHT_MAX = 8
 
 # What a write is made from: a pool slot (every rank's pool), or one rank's private sealed record.
-Source = int | bytearray
+Source = int | mmap.mmap
 
 
 class Cascade:
@@ -58,19 +59,22 @@ class Cascade:
         defer: bool = False,
         pressure: Callable[[], bool] | None = None,
         timed: Callable[[str, int, float], None] | None = None,
+        written: Callable[[mmap.mmap], None] | None = None,
     ) -> None:
         """``tiers_of_rank(i)``: the slower tiers of the rank at index ``i``; ``record_key(i, lk)``
         its record key; ``slot_record(i, slot)`` the sealed record in that rank's pool slot;
         ``unpin(slot)`` releases the pin a queued slot carries; ``pressure()``: the memory pool needs
         the slots queued writes hold (with ``defer``: write now, or new chunks find no slot);
         ``timed(tier, nbytes, seconds)``: told how long each chunk's writes to a tier took (every
-        rank's), on the writer thread."""
+        rank's), on the writer thread; ``written(rec)``: a private record is written everywhere
+        (or failed), the cascade keeps nothing of it."""
         self._ranks = ranks
         self._tiers_of_rank = tiers_of_rank
         self._record_key = record_key
         self._slot_record = slot_record
         self._unpin = unpin
         self._timed = timed
+        self._written_cb = written
         # (key, source, tenant, when queued: time.monotonic)
         self._q: queue.Queue[tuple[bytes, Source, str, float] | None]
         self._q = queue.Queue(maxsize=max(max_chunks, 1))
@@ -275,6 +279,8 @@ class Cascade:
                     del rec
                 if isinstance(source, int):
                     self._unpin(source)
+                elif self._written_cb is not None:
+                    self._written_cb(source)
                 waited = time.monotonic() - queued_at
                 with self._lock:
                     self._written += 1

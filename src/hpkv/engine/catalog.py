@@ -32,6 +32,7 @@ Thread contract: every method may be called from any thread. ``lookup`` never bl
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import threading
 import time
@@ -67,8 +68,12 @@ GIVE_UP_S = 30.0
 ROOM_WAIT_S = 2.0
 
 # What begin_store hands out: a reserved pool slot (every rank's), or one rank's private record
-# (no memory tier, or no slot to spare) that the cascade writes to the slower tiers.
-StoreTarget = int | bytearray
+# (no memory tier, or no slot to spare) that the cascade writes to the slower tiers. A private
+# record is an anonymous mapping, not a bytearray: a bytearray is zeroed and faulted in while its
+# maker holds the GIL (milliseconds per chunk, stalling the engine's own threads), where a mapping's
+# pages are faulted in by the copy that fills it, which runs without the GIL; it is page-aligned too
+# (O_DIRECT writes).
+StoreTarget = int | mmap.mmap
 HELD = "held"  # begin_store: memory or a slower tier already holds the chunk, or a store of it runs
 NO_ROOM = "no room"  # begin_store: every slot pinned and no slower tier to write to instead
 
@@ -131,6 +136,11 @@ class Catalog:
         self.num_slots = memory.slots.num_slots
         self._storing: set[bytes] = set()  # chunks reserved by begin_store, not yet finished
         self._storing_lock = threading.Lock()
+        # Private records the cascade has written, kept for the next stores: a fresh mapping costs
+        # its page faults again and its unmapping a TLB flush on every core. At most as many as the
+        # cascade's queue holds at once (the peak it could hold anyway).
+        self._spare: list[mmap.mmap] = []
+        self._spare_max = config.cascade_queue_chunks
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
         # Where there are cores to spare, a read record is checked on a verify thread while its
@@ -164,7 +174,14 @@ class Catalog:
             defer=defer_cascade,
             pressure=self.memory.scarce,
             timed=self._timed_write,
+            written=self._spare_record,
         )
+
+    def _spare_record(self, rec: mmap.mmap) -> None:
+        """The cascade is done with a private record: keep it for a later store."""
+        with self._storing_lock:
+            if len(self._spare) < self._spare_max:
+                self._spare.append(rec)
 
     def _timed_write(self, tier: str, nbytes: int, seconds: float) -> None:
         """A write to a remote tier bounds its reads (a slow link is slow both ways); a local tier's
@@ -567,7 +584,10 @@ class Catalog:
                 self._storing.add(lk)
                 return got
         if private and self.tiers:
-            return bytearray(self.record_bytes)
+            with self._storing_lock:
+                if self._spare:
+                    return self._spare.pop()
+            return mmap.mmap(-1, self.record_bytes)
         return NO_ROOM
 
     def _held_below(self, lk: bytes, tenant: str) -> bool:
@@ -585,7 +605,7 @@ class Catalog:
         visible and is queued for the slower tiers unless they all hold ``lk``; a private record is
         queued for them. False (and the slot freed) if not ``ok``, if another writer committed
         ``lk`` first, or if the memory tier was reset since :meth:`begin_store`."""
-        if isinstance(target, bytearray):
+        if isinstance(target, mmap.mmap):
             return ok and self._cascade.submit(lk, target, tenant)
         with self._storing_lock:
             self._storing.discard(lk)
@@ -611,6 +631,16 @@ class Catalog:
         """The first served rank's verified record of ``lk`` in this thread's private buffer (valid
         until the thread's next call), or None: for a chunk that has no slot. Blocks for the read."""
         return self._promoter.read_private(lk, tenant)
+
+    def read_direct(self, lk: bytes, pieces: list[memoryview]) -> bool | None:
+        """The first served rank's payload of ``lk`` straight from its storage file into ``pieces``
+        (see :meth:`StorageTier.read_payload_into`): True (verified), False (the file failed its
+        check and is gone: the slower tiers may still have it), None (not tried here)."""
+        read = getattr(self.storage[0], "read_payload_into", None) if self.storage else None
+        if read is None:
+            return None
+        got: bool | None = read(self.record_key(0, lk), pieces)
+        return got
 
     # -- the engine's steps --------------------------------------------------------------
 

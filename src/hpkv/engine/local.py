@@ -12,6 +12,7 @@ had no memory slot runs on an I/O thread, the others on the caller's.
 
 from __future__ import annotations
 
+import mmap
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
@@ -27,10 +28,20 @@ from hpkv.engine.lookup import Lookup, Miss, Pending
 # produce(chunk_index, payload) fills one. Neither may keep ``payload``.
 Consume = Callable[[int, torch.Tensor], None]
 Produce = Callable[[int, torch.Tensor], None]
+# into(chunk_index): where that chunk's payload ends up, as writable pieces in payload order (or
+# None), so that a read from a local file can land there at once instead of going through a buffer
+# and ``consume``. What a failed read leaves there is garbage: only the returned prefix counts.
+Into = Callable[[int], "list[memoryview] | None"]
 
 
 def load(
-    cat: Catalog, lks: list[bytes], consume: Consume, tenant: str = SHARED, *, probe: bool = True
+    cat: Catalog,
+    lks: list[bytes],
+    consume: Consume,
+    tenant: str = SHARED,
+    *,
+    probe: bool = True,
+    into: Into | None = None,
 ) -> int:
     """Hand each chunk's verified payload (the first served rank's) to ``consume``; return how many
     leading chunks succeeded.
@@ -38,8 +49,9 @@ def load(
     The lookup finds the hit (waiting for its own existence check) and streams it: chunks in
     memory are consumed from their pinned slots at once, the others as their promotions land.
     A chunk that found no slot (no memory tier, or none to spare) is read on an I/O thread into a
-    private buffer and consumed there. Only the returned prefix counts; a chunk after a failed one
-    may still have been consumed. ``probe=False``: see :meth:`Catalog.lookup`."""
+    private buffer and consumed there, or, with ``into``, read from its storage file straight to
+    where it belongs when the page cache holds the file. Only the returned prefix counts; a chunk
+    after a failed one may still have been consumed. ``probe=False``: see :meth:`Catalog.lookup`."""
     if not lks:
         return 0
     lk = Lookup(list(lks), tenant)
@@ -64,7 +76,7 @@ def load(
             elif cat.pools and _from_memory(cat, i, keys[i], consume):
                 done[i] = True
             else:  # no memory tier, or its header failed: the slower tiers may still have it
-                private[i] = cat.run_io(_private, cat, i, keys[i], consume, tenant)
+                private[i] = cat.run_io(_private, cat, i, keys[i], consume, tenant, into)
         lk.awaited = []
         cat.start_deferred()
         while promoting:
@@ -74,7 +86,7 @@ def load(
                 if fut.result() and _from_memory(cat, i, keys[i], consume, hit=False):
                     done[i] = True
                 else:  # no slot, or it failed: read privately (the slower tiers say why)
-                    private[i] = cat.run_io(_private, cat, i, keys[i], consume, tenant)
+                    private[i] = cat.run_io(_private, cat, i, keys[i], consume, tenant, into)
         for i, f in private.items():
             done[i] = bool(f.result())
     finally:
@@ -112,7 +124,10 @@ def _from_memory(cat: Catalog, i: int, lk: bytes, consume: Consume, *, hit: bool
     return True
 
 
-def _private(cat: Catalog, i: int, lk: bytes, consume: Consume, tenant: str) -> bool:
+def _private(cat: Catalog, i: int, lk: bytes, consume: Consume, tenant: str, into: Into | None) -> bool:
+    pieces = into(i) if into is not None else None
+    if pieces is not None and cat.read_direct(lk, pieces):
+        return True
     rec = cat.read_private(lk, tenant)
     if rec is None:
         return False
@@ -134,7 +149,7 @@ def store(cat: Catalog, lks: list[bytes], produce: Produce, tenant: str = SHARED
         if isinstance(target, str):
             held += 1
             continue
-        if isinstance(target, bytearray):
+        if isinstance(target, mmap.mmap):
             rec = memoryview(target)
             payload = torch.frombuffer(target, dtype=torch.uint8)[record.HEADER_BYTES :]
         else:
@@ -150,7 +165,7 @@ def store(cat: Catalog, lks: list[bytes], produce: Produce, tenant: str = SHARED
         del payload  # a private buffer must have no exports left when the cascade hands it on
         record.seal(rec, cat.rank_digests[0], cat.record_key(0, lk), cat.payload_bytes)
         del rec
-        if not cat.finish_store(lk, target, True, tenant) and isinstance(target, bytearray):
+        if not cat.finish_store(lk, target, True, tenant) and isinstance(target, mmap.mmap):
             break  # the cascade's queue was full: not held anywhere
         held += 1
     return held

@@ -22,7 +22,7 @@ from hpkv.core.keys import SHARED_TENANT, Namespace, Tokens, tokens_to_array
 from hpkv.core.layout import KVLayout
 from hpkv.engine import local
 from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
-from hpkv.engine.local import Consume, Produce
+from hpkv.engine.local import Consume, Into, Produce
 from hpkv.tiers.memory.pool import ShmPool
 
 
@@ -101,12 +101,15 @@ class KVStore:
 
     # -- reads -------------------------------------------------------------------
 
-    def load_chunks(self, keys: list[bytes], consume: Consume, *, probe: bool = True) -> int:
+    def load_chunks(
+        self, keys: list[bytes], consume: Consume, *, probe: bool = True, into: Into | None = None
+    ) -> int:
         """Hand each chunk's verified payload to ``consume``; return how many leading chunks succeeded
         (see :func:`hpkv.engine.local.load`: memory hits on the calling thread, slower ones as they land,
         promoted into memory; blocks until every read is done). ``probe=False``: skip the remote
-        existence check (the caller just made it) and read what the local tiers lack remotely."""
-        return local.load(self.engine, keys, consume, SHARED_TENANT, probe=probe)
+        existence check (the caller just made it) and read what the local tiers lack remotely.
+        ``into(i)``: chunk ``i``'s destination, for reads straight from the page cache to it."""
+        return local.load(self.engine, keys, consume, SHARED_TENANT, probe=probe, into=into)
 
     def get(self, tokens: Tokens, out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of the full chunks of ``tokens``: ``[layers, 2, n, heads, dim]``, bit-exact.

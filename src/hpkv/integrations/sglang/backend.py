@@ -30,8 +30,10 @@ Counters: each SGLang scheduler process writes them to a small JSON file in the 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +62,26 @@ def page_key(key: str) -> bytes:
 
 def _page_keys(keys: list[str]) -> list[bytes]:
     return [page_key(k) for k in keys]
+
+
+def byte_pieces(t: torch.Tensor, most: int = 1024) -> list[memoryview] | None:
+    """``t``'s bytes in row-major order as writable views of its contiguous runs (a host page of a
+    ``page_first`` pool: its K and its V run), or None (not in CPU memory, or more than ``most``
+    runs)."""
+    if t.device.type != "cpu":
+        return None
+    lead, run = t.dim(), 1
+    while lead and (t.size(lead - 1) == 1 or t.stride(lead - 1) == run):
+        run *= t.size(lead - 1)
+        lead -= 1
+    shape = tuple(t.shape[:lead])
+    count = 1
+    for d in shape:
+        count *= d
+    if count > most:
+        return None
+    runs = [t[idx] for idx in itertools.product(*map(range, shape))] if lead else [t]
+    return [memoryview(r.reshape(-1).view(torch.uint8).numpy()) for r in runs]  # type: ignore[arg-type]
 
 
 def _leading(n: int, total: int) -> list[bool]:
@@ -93,7 +115,8 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self._stats_file: StatsFile | None = None
         self._refresher: Refresher | None = None
         # SGLang's prefetch and backup threads call in at once.
-        self.pages = {"looked_up": 0, "found": 0, "read": 0, "written": 0}
+        # read_us: time spent in the reads that brought pages (their rate: read pages x page bytes / it).
+        self.pages = {"looked_up": 0, "found": 0, "read": 0, "read_us": 0, "written": 0}
         self._pages_lock = threading.Lock()
         self.host: Any = None
         self._page_bytes = 0
@@ -229,9 +252,12 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page = self._page(host_indices, i)
             page.copy_(payload.view(dtype).view(page.shape))
 
+        t0 = time.perf_counter_ns()
         # SGLang asked batch_exists for these pages just before: read them without asking again.
-        n = self._need_store().load_chunks(_page_keys(keys), consume, probe=False)
-        self._count(read=n)
+        n = self._need_store().load_chunks(
+            _page_keys(keys), consume, probe=False, into=lambda i: byte_pieces(self._page(host_indices, i))
+        )
+        self._count(read=n, read_us=(time.perf_counter_ns() - t0) // 1000 if n else 0)
         return _leading(n, len(keys))
 
     def batch_set_v1(

@@ -181,6 +181,23 @@ class Reader:
         finally:
             os.close(fd)
 
+    def open_cached(self, path: str, size: int) -> tuple[int, int] | None:
+        """``(descriptor, inode)`` of ``path`` if it is a regular file of ``size`` bytes that reads at
+        memory speed (whole in the page cache, or no O_DIRECT here), else None. The caller closes
+        the descriptor. Raises OSError (FileNotFoundError when absent, NotARegularFile)."""
+        fd = open_regular(path, follow=False)
+        try:
+            st = os.fstat(fd)
+            if st.st_size == size and (not self.direct or _all_cached(fd, size)):
+                if self.direct:
+                    self.cached_reads += 1
+                return fd, st.st_ino
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+        return None
+
     def _open_direct(self, path: str) -> int:
         """An O_DIRECT descriptor, or -1 when this file system has none (then never again)."""
         try:
@@ -190,6 +207,18 @@ class Reader:
                 raise
             self.direct = False
             return -1
+
+
+def read_exact(fd: int, buf: memoryview, offset: int) -> int:
+    """Read ``len(buf)`` bytes of ``fd`` from ``offset`` into ``buf``; fewer only at the end of the
+    file. Returns how many were read."""
+    total = 0
+    while total < len(buf):
+        n = os.preadv(fd, [buf[total:]], offset + total)
+        if not n:
+            break
+        total += n
+    return total
 
 
 _libc: Any = None
