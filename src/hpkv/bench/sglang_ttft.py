@@ -110,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device-prompts", type=float, default=1.5, help="device KV capacity, in prompts")
     ap.add_argument("--port", type=int, default=30200)
     ap.add_argument("--pause", type=float, default=0.2, help="seconds between requests")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run every system's server at once (ports --port, --port+1, ...) and alternate them request "
+        "by request in the prefill, GPU-hit and host rows; then each system's L3 rows in turn",
+    )
     ap.add_argument("--out", default="out/bench-ttft-sglang")
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenarios.split(",") if s]
@@ -133,22 +139,90 @@ def main(argv: list[str] | None = None) -> int:
             write_demo_model(model, args.size, weights=args.load_format != "dummy")
     prompts = prompts_of(model, args.prompts, args.tokens)
     log: list[dict[str, Any]] = []
-    results = []
-    for name in systems:
-        results.append(Runner(args, name, model, prompts, log).run(scenarios))
-        _write(args, model, results, log)  # what is done is kept if a later system runs out of time
+    results: list[Result] = []
+    if args.interleave and len(systems) > 1:
+        runners = [
+            Runner(args, name, model, prompts, log, port=args.port + i) for i, name in enumerate(systems)
+        ]
+        results = interleaved(args, model, runners, scenarios, log)
+    else:
+        for name in systems:
+            results.append(Runner(args, name, model, prompts, log).run(scenarios))
+            _write(args, model, results, log)  # what is done is kept if a later system runs out of time
     report(args, model, results)
     ours = [x for x in results if x.name == "hpkv"]
     return 0 if all(not x.error and all(r.valid for r in x.rows) for x in ours) else 1
+
+
+SHARED_ROWS = ("prefill", "gpu", "host")  # the rows --interleave alternates across the systems
+
+
+def interleaved(
+    args: argparse.Namespace,
+    model: str,
+    runners: list[Runner],
+    scenarios: list[str],
+    log: list[dict[str, Any]],
+) -> list[Result]:
+    """Every system's server at once; the prefill, GPU-hit and host rows request by request, the
+    systems' order turned at each prompt (so none always goes first); then each system's own rows
+    (its restarts included) while the others' servers idle."""
+    plans = {id(r): r.plan(scenarios) for r in runners}
+    try:
+        for r in runners:
+            r.start(plans[id(r)])
+        shared = [s for s in SHARED_ROWS if s in scenarios]
+        for r in runners:
+            r.check_shared(shared, plans[id(r)])
+        cold: dict[int, list[Reply]] = {id(r): [] for r in runners}
+        hot: dict[int, list[Reply]] = {id(r): [] for r in runners}
+        host: dict[int, list[Reply]] = {id(r): [] for r in runners}
+        if "prefill" in shared:
+            for i, p in enumerate(runners[0].prompts):
+                for r in runners if i % 2 == 0 else runners[::-1]:
+                    cold[id(r)].append(r.send("prefill", p))
+                    if "gpu" in shared:
+                        hot[id(r)].append(r.send("gpu", p))
+        if "host" in shared:
+            for i, p in enumerate(runners[0].prompts):
+                for r in runners if i % 2 == 0 else runners[::-1]:
+                    host[id(r)].append(r.send("host", p))
+        for r in runners:
+            if cold[id(r)]:
+                r.out.rows += r.prefill_rows(cold[id(r)], hot[id(r)])
+            if host[id(r)]:
+                r.out.rows.append(r.host_row(host[id(r)]))
+        _write(args, model, [r.out for r in runners], log)
+        for r in runners:
+            r.run_rows([s for s in plans[id(r)] if s not in SHARED_ROWS])
+            r.close()  # the GPU and host to the systems still to measure
+            _write(args, model, [r.out for r in runners], log)
+    except (ServerError, RuntimeError, OSError, AssertionError) as e:
+        for r in runners:
+            if not r.out.error:
+                r.out.error = first_error(str(e))
+        print(f"stopped: {first_error(str(e))}", flush=True)
+    finally:
+        for r in runners:
+            r.close()
+    return [r.out for r in runners]
 
 
 class Runner:
     """One system: start, the rows in order with what each needs first, the references, stop."""
 
     def __init__(
-        self, args: argparse.Namespace, system: str, model: str, prompts: list[str], log: list[dict[str, Any]]
+        self,
+        args: argparse.Namespace,
+        system: str,
+        model: str,
+        prompts: list[str],
+        log: list[dict[str, Any]],
+        *,
+        port: int | None = None,
     ) -> None:
         self.args, self.system, self.model, self.prompts, self.log = args, system, model, prompts, log
+        self.port = args.port if port is None else port
         self.out = Result(system)
         self.work = tempfile.mkdtemp(prefix=f"hpkv-sgl-{system}-")
         self.shm = tempfile.mkdtemp(prefix="hpkv-sgl-", dir="/dev/shm")
@@ -173,21 +247,34 @@ class Runner:
         todo = self.plan(scenarios)
         try:
             self.start(todo)
-            for name in todo:
-                if name == "gpu" and "prefill" in todo:
-                    continue  # measured with prefill: each prompt cold, then at once again
-                self.out.rows.extend(self.scenario(name, "gpu" in todo))
+            self.run_rows(todo)
         except (ServerError, RuntimeError, OSError, AssertionError) as e:
             self.out.error = first_error(str(e))
             print(f"[{self.system}] stopped: {self.out.error}", flush=True)
         finally:
-            if self.server is not None:
-                self.server.stop()
-            if self.valkey is not None:
-                self.valkey.stop()
-            shutil.rmtree(self.shm, ignore_errors=True)
-            shutil.rmtree(self.work, ignore_errors=True)
+            self.close()
         return self.out
+
+    def run_rows(self, todo: list[str]) -> None:
+        for name in todo:
+            if name == "gpu" and "prefill" in todo:
+                continue  # measured with prefill: each prompt cold, then at once again
+            self.out.rows.extend(self.scenario(name, "gpu" in todo))
+
+    def check_shared(self, shared: list[str], todo: list[str]) -> None:
+        missing = [s for s in shared if s not in todo]
+        if missing:
+            raise RuntimeError(f"--interleave: {self.system} has no row {', '.join(missing)}")
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        if self.valkey is not None:
+            self.valkey.stop()
+            self.valkey = None
+        shutil.rmtree(self.shm, ignore_errors=True)
+        shutil.rmtree(self.work, ignore_errors=True)
 
     def start(self, todo: list[str]) -> None:
         args = self.args
@@ -205,7 +292,7 @@ class Runner:
             env["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = self.l3_dir
         self.server = SGLangServer(
             self.model,
-            args.port,
+            self.port,
             env,
             os.path.join(args.out, f"sglang-{self.system}.log"),
             backend=self.system,
@@ -259,20 +346,9 @@ class Runner:
                 cold.append(self.send("prefill", p))
                 if with_gpu:
                     hot.append(self.send("gpu", p))
-            rows = [self.row("prefill", cold, lambda r: r.cached == 0, "no cached token")]
-            if with_gpu:
-                rows.append(self.row("gpu", hot, lambda r: r.device >= self.served, "device radix cache"))
-            return rows
+            return self.prefill_rows(cold, hot)
         if name == "host":
-            replies = [self.send(name, p) for p in self.prompts]
-            return [
-                self.row(
-                    name,
-                    replies,
-                    lambda r: r.host >= tokens // 2 and r.storage == 0 and r.cached >= self.served,
-                    "host pool, nothing from L3",
-                )
-            ]
+            return [self.host_row([self.send(name, p) for p in self.prompts])]
         if name == "storage":
             self._restart()
         elif name == "storage-cold":
@@ -320,6 +396,21 @@ class Runner:
                 page_bytes = kv_bytes_per_token(self.model) * self.args.page_size
                 row.backend_gbps = pages * page_bytes / (micros * 1e-6) / 1e9
         return [row]
+
+    def prefill_rows(self, cold: list[Reply], hot: list[Reply]) -> list[Row]:
+        rows = [self.row("prefill", cold, lambda r: r.cached == 0, "no cached token")]
+        if hot:
+            rows.append(self.row("gpu", hot, lambda r: r.device >= self.served, "device radix cache"))
+        return rows
+
+    def host_row(self, replies: list[Reply]) -> Row:
+        half = self.args.tokens // 2
+        return self.row(
+            "host",
+            replies,
+            lambda r: r.host >= half and r.storage == 0 and r.cached >= self.served,
+            "host pool, nothing from L3",
+        )
 
     def send(self, name: str, prompt: str) -> Reply:
         assert self.server is not None
