@@ -2,7 +2,7 @@
 SGLang's own report of where the cached prefix came from and, for hpkv, by hpkv's counters.
 
     hpkv bench ttft --engine sglang [--model DIR | --size 7b] [--tokens 8192] [--prompts 4]
-                    [--compare none,hpkv,file] [--scenarios ...] [--out DIR]
+                    [--compare none,hpkv,file] [--scenarios ...] [--interleave] [--out DIR]
 
 Every system is SGLang with HiCache (device KV, then its host pool) and the same flags; they differ
 in L3: ``none`` (no L3), ``file`` (SGLang's own file backend) and ``hpkv`` (hpkv's storage and Valkey
