@@ -170,8 +170,9 @@ def test_a_hit_over_a_slow_link_is_recomputed_and_no_slower_than_the_cold_prefil
             assert c.delta("connector", "lookups_cut_by_cost") == 3
             assert c.delta("valkey", "hits") == 0
             assert "left to recompute (valkey" in s.log_tail(400)
-            # Loading would have taken seconds; recomputing costs what the cold prefill did.
-            assert statistics.median(hits) <= 1.05 * statistics.median(colds) + 0.05, (hits, colds)
+            # Loading over this link takes 1-2 s; recomputing costs what the cold prefill did. The
+            # margin tells the two apart on a noisy 2-core box (it is not a performance claim).
+            assert statistics.median(hits) <= statistics.median(colds) + 0.4, (hits, colds)
             # A restart (memory empty, nothing written since) decides the first hit with what the
             # engine before it learned: kept beside the pool.
             s.restart()
