@@ -222,6 +222,30 @@ def test_settings_are_checked_when_sglang_attaches_the_backend(storage_dir: str,
         h.rig("dynamic", bad)
 
 
+def test_the_backend_shortens_the_gil_switch_interval_and_never_lengthens_it(
+    storage_dir: str, shm_dir: str
+) -> None:
+    """SGLang's scheduler thread polls without sleeping; hpkv's page I/O threads get the GIL back
+    only when it is asked to let go, after the switch interval."""
+    import sys
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        h.rig("dynamic", h.hpkv_extra(settings(storage_dir, shm_dir))).close()
+        assert sys.getswitchinterval() == pytest.approx(200e-6, rel=0.01)
+        sys.setswitchinterval(0.005)
+        h.rig("dynamic", h.hpkv_extra(settings(storage_dir, shm_dir, sglang_switch_interval_us=0))).close()
+        assert sys.getswitchinterval() == pytest.approx(0.005, rel=0.01)  # 0: left alone
+        sys.setswitchinterval(50e-6)
+        h.rig("dynamic", h.hpkv_extra(settings(storage_dir, shm_dir))).close()
+        assert sys.getswitchinterval() == pytest.approx(50e-6, rel=0.05)  # already shorter: kept
+        with pytest.raises(ValueError, match=r"sglang_switch_interval_us.*'fast'"):
+            h.rig("dynamic", h.hpkv_extra(settings(storage_dir, shm_dir, sglang_switch_interval_us="fast")))
+    finally:
+        sys.setswitchinterval(before)
+
+
 def test_hybrid_models_extra_pools_are_refused_by_name(storage_dir: str, shm_dir: str) -> None:
     r = h.rig("dynamic", h.hpkv_extra(settings(storage_dir, shm_dir)))
     try:

@@ -62,6 +62,9 @@ _SPECS: dict[str, _Spec] = {
     "chunk_size": _Spec("HPKV_CHUNK_SIZE", "256", "int", minimum=1, maximum=1 << 20),
     "salt": _Spec("HPKV_SALT", "tenant-a", "str"),
     "storage_io_threads": _Spec("HPKV_STORAGE_IO_THREADS", "4", "int", minimum=1, maximum=256),
+    "sglang_switch_interval_us": _Spec(
+        "HPKV_SGLANG_SWITCH_INTERVAL_US", "200", "int", minimum=0, maximum=100_000
+    ),
     "storage_o_direct": _Spec("HPKV_STORAGE_O_DIRECT", "true", "bool"),
     "storage_direct_writes": _Spec("HPKV_STORAGE_DIRECT_WRITES", "true", "bool"),
     "cascade_queue_chunks": _Spec("HPKV_CASCADE_QUEUE_CHUNKS", "256", "int", minimum=0, maximum=1 << 20),
@@ -147,6 +150,12 @@ class HpkvConfig:
     salt: str = ""
     # Threads reading and writing storage chunk files in parallel.
     storage_io_threads: int = 4
+    # SGLang: Python's GIL switch interval in SGLang's scheduler process, in microseconds, if it is
+    # longer (0: leave it). SGLang's scheduler thread polls in a loop, holding the GIL until asked
+    # to let go, which Python does only after this interval (5 ms by default); each of hpkv's reads
+    # and writes takes the GIL back a few times per page, so at 5 ms a page waits milliseconds for
+    # nothing.
+    sglang_switch_interval_us: int = 200
     # Read chunk files with O_DIRECT where the filesystem allows (falls back to buffered reads).
     storage_o_direct: bool = True
     # Write chunk files with O_DIRECT (their last partial page buffered): no page-cache copy of what

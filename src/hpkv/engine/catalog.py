@@ -143,6 +143,7 @@ class Catalog:
         self._spare_max = config.cascade_queue_chunks
         # Promotions from a remote tier wait on the network: as many threads as its workers.
         threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
+        self.io_threads = threads
         # Where there are cores to spare, a read record is checked on a verify thread while its
         # I/O thread fetches the next one, so reading and hashing overlap; where there are not, the
         # extra threads would only contend for the same cores, and each I/O thread checks its own.

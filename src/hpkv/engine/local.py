@@ -70,14 +70,21 @@ def load(
         keys = lks[: answer.chunks]
         private: dict[int, Future[object]] = {}
         promoting: dict[Future[bool], int] = {}
+        unslotted: list[int] = []
         for i, fut in lk.awaited:
             if fut is not None:
                 promoting[fut] = i
             elif cat.pools and _from_memory(cat, i, keys[i], consume):
                 done[i] = True
             else:  # no memory tier, or its header failed: the slower tiers may still have it
-                private[i] = cat.run_io(_private, cat, i, keys[i], consume, tenant, into)
+                unslotted.append(i)
         lk.awaited = []
+        # One task per I/O thread, not one per chunk: each hand-over between threads is a round
+        # trip for the GIL, which a busy engine thread may hold for its whole switch interval.
+        k = min(len(unslotted), cat.io_threads)
+        batches = [
+            cat.run_io(_private_many, cat, unslotted[j::k], keys, consume, tenant, into) for j in range(k)
+        ]
         cat.start_deferred()
         while promoting:
             landed, _ = wait(list(promoting), return_when=FIRST_COMPLETED)
@@ -89,6 +96,8 @@ def load(
                     private[i] = cat.run_io(_private, cat, i, keys[i], consume, tenant, into)
         for i, f in private.items():
             done[i] = bool(f.result())
+        for b in batches:
+            done.update(b.result())  # type: ignore[call-overload]
     finally:
         cat.release(lk)
     k = 0
@@ -122,6 +131,12 @@ def _from_memory(cat: Catalog, i: int, lk: bytes, consume: Consume, *, hit: bool
         raise
     cat.finish_load(slots, loaded=int(hit), nbytes=cat.payload_bytes * hit)
     return True
+
+
+def _private_many(
+    cat: Catalog, which: list[int], keys: list[bytes], consume: Consume, tenant: str, into: Into | None
+) -> dict[int, bool]:
+    return {i: _private(cat, i, keys[i], consume, tenant, into) for i in which}
 
 
 def _private(cat: Catalog, i: int, lk: bytes, consume: Consume, tenant: str, into: Into | None) -> bool:

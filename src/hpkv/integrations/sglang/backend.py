@@ -30,8 +30,8 @@ Counters: each SGLang scheduler process writes them to a small JSON file in the 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -64,24 +64,77 @@ def _page_keys(keys: list[str]) -> list[bytes]:
     return [page_key(k) for k in keys]
 
 
-def byte_pieces(t: torch.Tensor, most: int = 1024) -> list[memoryview] | None:
-    """``t``'s bytes in row-major order as writable views of its contiguous runs (a host page of a
-    ``page_first`` pool: its K and its V run), or None (not in CPU memory, or more than ``most``
-    runs)."""
-    if t.device.type != "cpu":
-        return None
+def byte_runs(t: torch.Tensor) -> list[tuple[int, int]]:
+    """``t``'s bytes in row-major order as (byte offset in its storage, length) runs, each run as
+    long as its memory is contiguous (a ``page_first`` host page: its K run and its V run)."""
     lead, run = t.dim(), 1
     while lead and (t.size(lead - 1) == 1 or t.stride(lead - 1) == run):
         run *= t.size(lead - 1)
         lead -= 1
-    shape = tuple(t.shape[:lead])
-    count = 1
-    for d in shape:
-        count *= d
-    if count > most:
-        return None
-    runs = [t[idx] for idx in itertools.product(*map(range, shape))] if lead else [t]
-    return [memoryview(r.reshape(-1).view(torch.uint8).numpy()) for r in runs]  # type: ignore[arg-type]
+    starts = [t.storage_offset()]
+    for d in range(lead):
+        starts = [o + i * t.stride(d) for o in starts for i in range(t.size(d))]
+    el = t.element_size()
+    return [(int(o) * el, run * el) for o in starts]
+
+
+class HostPages:
+    """Where each host page's bytes lie in SGLang's host pool, as writable views, for reads that
+    land there straight from a file. Found once from the pool's page views: each page's runs sit
+    a fixed step further than the previous page's (checked on three pages). Building views per
+    page through torch would cost the read threads a GIL round trip per tensor call, in a process
+    whose scheduler thread holds the GIL whenever it can; slicing one view of the pool costs none.
+    ``ok`` is False (and :meth:`pieces` gives None) for a pool this does not describe."""
+
+    def __init__(self, host: Any, most_runs: int = 1024) -> None:
+        self.ok = False
+        self.page = int(host.page_size)
+        try:
+            views = [host.get_data_page(k * self.page, flat=False) for k in range(3)]
+        except Exception:  # fewer than three pages, or a pool without such views
+            return
+        if any(v.device.type != "cpu" for v in views):
+            return
+        storage = views[0].untyped_storage()
+        if any(v.untyped_storage().data_ptr() != storage.data_ptr() for v in views):
+            return
+        runs = [byte_runs(v) for v in views]
+        if not runs[0] or len(runs[0]) > most_runs or any(len(r) != len(runs[0]) for r in runs):
+            return
+        self.runs = runs[0]
+        self.step = [b[0] - a[0] for a, b in zip(runs[0], runs[1], strict=True)]
+        for a, b, c in zip(runs[0], runs[1], runs[2], strict=True):
+            if a[1] != b[1] or a[1] != c[1] or c[0] - a[0] != 2 * (b[0] - a[0]):
+                return
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+        self._view = memoryview(flat.numpy())  # type: ignore[arg-type]
+        self.ok = True
+
+    def pieces(self, index: int) -> list[memoryview] | None:
+        """The writable runs of the page whose first token sits at host index ``index``."""
+        if not self.ok:
+            return None
+        k = index // self.page
+        return [self._view[o + k * s : o + k * s + n] for (o, n), s in zip(self.runs, self.step, strict=True)]
+
+
+def _shorten_switch_interval(us: int) -> None:
+    """Lower this process's GIL switch interval to ``us`` microseconds (never raise it). SGLang's
+    scheduler thread polls without sleeping, so another thread that wants the GIL back (after each
+    system call of a page read or write) gets it only when Python asks the scheduler to let go:
+    after the switch interval. At Python's 5 ms a page's few system calls cost it tens of
+    milliseconds; at 0.2 ms the scheduler hands the GIL over within a fraction of a millisecond,
+    and only while hpkv's threads have work."""
+    before = sys.getswitchinterval()
+    if us and us * 1e-6 < before:
+        sys.setswitchinterval(us * 1e-6)
+        log.info(
+            "hpkv: Python's GIL switch interval lowered from %.2f to %.2f ms in this SGLang process "
+            "(HPKV_SGLANG_SWITCH_INTERVAL_US=%d; 0 leaves it)",
+            before * 1e3,
+            us * 1e-3,
+            us,
+        )
 
 
 def _leading(n: int, total: int) -> list[bool]:
@@ -103,6 +156,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             )
         # Checked now, so a bad setting stops SGLang at start with the variable's name.
         self.config = HpkvConfig.load(dict(overrides), source=SOURCE)
+        _shorten_switch_interval(self.config.sglang_switch_interval_us)
         if storage_config.should_split_heads:
             raise HpkvConfigError(
                 "hpkv's SGLang backend does not split heads across a heterogeneous TP size "
@@ -119,6 +173,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.pages = {"looked_up": 0, "found": 0, "read": 0, "read_us": 0, "written": 0}
         self._pages_lock = threading.Lock()
         self.host: Any = None
+        self._host_pages: HostPages | None = None
         self._page_bytes = 0
 
     # -- attaching to SGLang's host pool --------------------------------------------------
@@ -129,6 +184,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.store.close()
         self.host = mem_pool_host
         self.store = self._open(mem_pool_host)
+        self._host_pages = HostPages(mem_pool_host)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         name = str(getattr(host_pool_name, "value", host_pool_name))
@@ -253,10 +309,11 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             page.copy_(payload.view(dtype).view(page.shape))
 
         t0 = time.perf_counter_ns()
+        starts: list[int] = host_indices[:: self.host.page_size].tolist()
+        pages = self._host_pages
+        into = (lambda i: pages.pieces(starts[i])) if pages is not None and pages.ok else None
         # SGLang asked batch_exists for these pages just before: read them without asking again.
-        n = self._need_store().load_chunks(
-            _page_keys(keys), consume, probe=False, into=lambda i: byte_pieces(self._page(host_indices, i))
-        )
+        n = self._need_store().load_chunks(_page_keys(keys), consume, probe=False, into=into)
         self._count(read=n, read_us=(time.perf_counter_ns() - t0) // 1000 if n else 0)
         return _leading(n, len(keys))
 

@@ -15,6 +15,7 @@ import fcntl
 import mmap
 import os
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from hpkv.core.paths import open_regular
@@ -181,22 +182,33 @@ class Reader:
         finally:
             os.close(fd)
 
-    def open_cached(self, path: str, size: int) -> tuple[int, int] | None:
-        """``(descriptor, inode)`` of ``path`` if it is a regular file of ``size`` bytes that reads at
-        memory speed (whole in the page cache, or no O_DIRECT here), else None. The caller closes
-        the descriptor. Raises OSError (FileNotFoundError when absent, NotARegularFile)."""
-        fd = open_regular(path, follow=False)
+    def read_cached(
+        self, path: str, bufs: list[memoryview], size: int, check: Callable[[int], bool]
+    ) -> tuple[bool, int] | None:
+        """Read ``path`` into ``bufs`` (in order, together ``size`` bytes) in one call if the file
+        reads at memory speed (whole in the page cache, or no O_DIRECT here), then ``check(bytes
+        read)`` (``size + 1``: the file is longer). Returns ``(checked, inode)`` (the inode only
+        when the check failed, else 0), or None: not read (not cached, not a regular file, an
+        error), for :meth:`read` to deal with. Each system call is a round trip for Python's GIL,
+        which a busy engine thread holds up to its switch interval each time, so there are as few
+        as can be: open, ask the page cache, one vectored read, close."""
         try:
-            st = os.fstat(fd)
-            if st.st_size == size and (not self.direct or _all_cached(fd, size)):
-                if self.direct:
-                    self.cached_reads += 1
-                return fd, st.st_ino
-        except BaseException:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            if self.direct:
+                if not _all_cached(fd, size):
+                    return None
+                self.cached_reads += 1
+            n = os.preadv(fd, [*bufs, _ONE_MORE], 0)
+            if check(n):
+                return True, 0
+            return False, os.fstat(fd).st_ino
+        except OSError:  # a directory, a FIFO: read() tells what it is
+            return None
+        finally:
             os.close(fd)
-            raise
-        os.close(fd)
-        return None
 
     def _open_direct(self, path: str) -> int:
         """An O_DIRECT descriptor, or -1 when this file system has none (then never again)."""
@@ -209,18 +221,7 @@ class Reader:
             return -1
 
 
-def read_exact(fd: int, buf: memoryview, offset: int) -> int:
-    """Read ``len(buf)`` bytes of ``fd`` from ``offset`` into ``buf``; fewer only at the end of the
-    file. Returns how many were read."""
-    total = 0
-    while total < len(buf):
-        n = os.preadv(fd, [buf[total:]], offset + total)
-        if not n:
-            break
-        total += n
-    return total
-
-
+_ONE_MORE = memoryview(bytearray(1))  # past a record's end: a longer file shows as one byte more (never read)
 _libc: Any = None
 _CACHESTAT = 451  # cachestat(2), Linux 6.5+: one number on every architecture (the unified table)
 _cachestat_works = True  # until a call says the kernel (or a seccomp filter) has no such call

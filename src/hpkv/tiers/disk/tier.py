@@ -30,7 +30,7 @@ from hpkv.core.paths import NotARegularFile, check_private_dir
 from hpkv.core.stats import TierStats
 from hpkv.tiers.base import Built
 from hpkv.tiers.disk.index import DiskIndex
-from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, in_page_cache, read_exact, write_atomic
+from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, in_page_cache, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ FORMAT_DIR = "v1"
 SUFFIX = ".kv"
 _STALE_TMP_S = 3600.0
 _LOG_EVERY_S = 30.0
-_CHECK_SLICE = 1 << 20  # bytes read, then checked, at a time by read_payload_into
 
 
 class StorageTier:
@@ -229,8 +228,8 @@ class StorageTier:
         self, key: bytes, pieces: list[memoryview], tenant: str = SHARED_TENANT
     ) -> bool | None:
         """The payload of ``key``'s record straight into ``pieces`` (writable; together one payload,
-        in order), checked as it lands, when its file is whole in the page cache (read at memory
-        speed: a buffer in between would cost a second copy of every byte). True: verified, a hit.
+        in order) when its file is whole in the page cache (read at memory speed: a buffer in
+        between would cost a second copy of every byte), then checked there. True: verified, a hit.
         False: the file failed the check (counted, removed); what ``pieces`` hold is garbage.
         None: not tried (no such file, not in the page cache, or an error): :meth:`read_into` reads
         it and counts what it finds."""
@@ -240,33 +239,27 @@ class StorageTier:
         if not self.contains(key):
             return None
         path = self.path(key)
-        try:
-            opened = self._reader.open_cached(path, self.record_bytes)
-        except OSError:
-            return None
-        if opened is None:
-            return None
-        fd, ino = opened
-        check = record.Checker(self.namespace, key, self.payload_bytes)
-        try:
-            verdict = check.header(os.pread(fd, record.HEADER_BYTES, 0))
-            at = record.HEADER_BYTES
-            for piece in pieces if verdict is record.Verdict.OK else ():
-                # In slices a core's cache holds, each checked while it is still there.
-                for start in range(0, len(piece), _CHECK_SLICE):
-                    part = piece[start : start + _CHECK_SLICE]
-                    if read_exact(fd, part, at) < len(part):
-                        break
-                    check.update(part)
-                    at += len(part)
+        header = memoryview(bytearray(record.HEADER_BYTES))
+        verdict = record.Verdict.OK
+
+        def check(n: int) -> bool:
+            nonlocal verdict
+            if n != self.record_bytes:
+                verdict = record.Verdict.SHORT if n < self.record_bytes else record.Verdict.WRONG_LENGTH
+                return False
+            c = record.Checker(self.namespace, key, self.payload_bytes)
+            verdict = c.header(header)
             if verdict is record.Verdict.OK:
-                verdict = check.finish()
-        except OSError:
+                for piece in pieces:
+                    c.update(piece)
+                verdict = c.finish()
+            return verdict is record.Verdict.OK
+
+        got = self._reader.read_cached(path, [header, *pieces], self.record_bytes, check)
+        if got is None:
             return None
-        finally:
-            os.close(fd)
-        if verdict is not record.Verdict.OK:
-            self._failed(key, path, ino, verdict)
+        if not got[0]:
+            self._failed(key, path, got[1], verdict)
             return False
         self.count_hit(key)
         with self._lock:
