@@ -395,6 +395,13 @@ class Runner:
             if micros > 0:
                 page_bytes = kv_bytes_per_token(self.model) * self.args.page_size
                 row.backend_gbps = pages * page_bytes / (micros * 1e-6) / 1e9
+        ref = self.out.refs.get(name)
+        print(
+            f"  [{self.system}] {name}: median TTFT {row.median:.4f} s"
+            + (f"; hpkv's reads {row.backend_gbps:.2f} GB/s" if row.backend_gbps else "")
+            + (f"; reference {ref[1]:.2f} GB/s ({ref[0]})" if ref else ""),
+            flush=True,
+        )
         return [row]
 
     def prefill_rows(self, cold: list[Reply], hot: list[Reply]) -> list[Row]:
