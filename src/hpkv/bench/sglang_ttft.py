@@ -47,6 +47,7 @@ from hpkv.bench.server import ServerError, bench_env, counter, first_error
 from hpkv.bench.sglang_server import BACKENDS, Reply, SGLangServer
 from hpkv.core.config import HpkvConfig
 
+L3_TIERS = ("storage", "valkey")  # hpkv's tiers under SGLang (its memory tier is off)
 SCENARIOS = ("prefill", "gpu", "host", "storage", "storage-cold", "mixed", "valkey")
 L3_ROWS = ("storage", "storage-cold", "mixed", "valkey")
 
@@ -74,6 +75,7 @@ class Result:
     starts: list[float] = field(default_factory=list)
     error: str | None = None
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    page_bytes: int = 0  # bytes of one page as hpkv's counters saw it (0: not seen)
 
 
 def prompts_of(model: str, n: int, tokens: int, seed: int = 1000) -> list[str]:
@@ -392,9 +394,12 @@ class Runner:
                     row.proof += f" ({direct} straight into the host pages)"
             pages = counter(after, "connector", "read") - counter(before, "connector", "read")
             micros = counter(after, "connector", "read_us") - counter(before, "connector", "read_us")
-            if micros > 0:
-                page_bytes = kv_bytes_per_token(self.model) * self.args.page_size
-                row.backend_gbps = pages * page_bytes / (micros * 1e-6) / 1e9
+            nbytes = sum(counter(after, t, "bytes_read") - counter(before, t, "bytes_read") for t in L3_TIERS)
+            hits = sum(counter(after, t, "hits") - counter(before, t, "hits") for t in L3_TIERS)
+            if hits:  # the page size the server really used (a float32 config is served as float16)
+                self.out.page_bytes = nbytes // hits
+            if micros > 0 and self.out.page_bytes:
+                row.backend_gbps = pages * self.out.page_bytes / (micros * 1e-6) / 1e9
         ref = self.out.refs.get(name)
         print(
             f"  [{self.system}] {name}: median TTFT {row.median:.4f} s"
@@ -482,7 +487,10 @@ class Runner:
 
 
 def report(args: argparse.Namespace, model: str, results: list[Result]) -> None:
-    per_token = kv_bytes_per_token(model)
+    # The page size hpkv's counters saw is what the server used; the config's dtype may not be (SGLang
+    # serves a float32 config as float16).
+    seen = next((x.page_bytes for x in results if x.page_bytes), 0)
+    per_token = seen // args.page_size if seen else kv_bytes_per_token(model)
     print()
     print(
         f"hpkv bench ttft --engine sglang: {args.prompts} random prompts x {args.tokens} tokens, "
