@@ -231,3 +231,12 @@ def test_the_readme_gives_every_setting_one_line() -> None:
     names = [name for name, _ in rows]
     assert sorted(names) == sorted(HpkvConfig.env_names().values())
     assert all(len(what) < 160 for _, what in rows)
+
+
+def test_a_pool_idle_timeout_of_0_keeps_the_pool_until_it_is_stopped() -> None:
+    """README: `0`: until `hpkv pool stop`; a negative value is refused by name."""
+    assert HpkvConfig.load({}, env={"HPKV_POOL_IDLE_TIMEOUT": "0"}).pool_idle_timeout == 0
+    with pytest.raises(HpkvConfigError, match=r"HPKV_POOL_IDLE_TIMEOUT='-1' must be a number of at least 0"):
+        HpkvConfig.load({}, env={"HPKV_POOL_IDLE_TIMEOUT": "-1"})
+    with pytest.raises(HpkvConfigError, match=r"HPKV_VALKEY_REQUEST_TIMEOUT='0' must be a number above 0"):
+        HpkvConfig.load({}, env={"HPKV_VALKEY_REQUEST_TIMEOUT": "0"})

@@ -49,6 +49,8 @@ class _Spec:
     kind: str
     minimum: int | None = None
     maximum: int | None = None
+    # float: the minimum itself is a value too (0 meaning "off"), not only what is above it
+    minimum_ok: bool = False
 
 
 # Field name -> how it is read and checked. Keep in step with HpkvConfig's fields.
@@ -56,7 +58,9 @@ _SPECS: dict[str, _Spec] = {
     "mem_pool_size": _Spec("HPKV_KV_MEM_POOL_SIZE", "16G", "size"),
     "share_mem_file_path": _Spec("HPKV_SHARE_MEM_FILE_PATH", "/dev/shm/hpkv", "path"),
     "memory_pool": _Spec("HPKV_MEMORY_POOL", "shared", "choice"),
-    "pool_idle_timeout": _Spec("HPKV_POOL_IDLE_TIMEOUT", "3600", "float", minimum=0, maximum=1 << 31),
+    "pool_idle_timeout": _Spec(
+        "HPKV_POOL_IDLE_TIMEOUT", "3600", "float", minimum=0, maximum=1 << 31, minimum_ok=True
+    ),
     "storage_path": _Spec("HPKV_KV_STORAGE_PATH", "~/storage", "optpath"),
     "storage_size": _Spec("HPKV_KV_STORAGE_SIZE", "64G", "size"),
     "chunk_size": _Spec("HPKV_CHUNK_SIZE", "256", "int", minimum=1, maximum=1 << 20),
@@ -552,8 +556,11 @@ def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
             fvalue = float(text) if text else float(raw)
         except (ValueError, OverflowError):
             raise bad("is not a number") from None
-        if not math.isfinite(fvalue) or (spec.minimum is not None and fvalue <= spec.minimum):
-            raise bad(f"must be a number above {spec.minimum}")
+        low = spec.minimum is not None and (
+            fvalue < spec.minimum or (fvalue == spec.minimum and not spec.minimum_ok)
+        )
+        if not math.isfinite(fvalue) or low:
+            raise bad(f"must be a number {'of at least' if spec.minimum_ok else 'above'} {spec.minimum}")
         if spec.maximum is not None and fvalue > spec.maximum:
             raise bad(f"is above the maximum {spec.maximum}")
         return fvalue
