@@ -463,7 +463,7 @@ class Runner:
     def reference(self, name: str) -> None:
         """The raw rate of the tier the row just proved, on this run's files or keys."""
         try:
-            if name in ("storage", "storage-cold"):
+            if name in ("storage", "storage-cold", "mixed"):  # mixed: its L3 half from the page cache
                 threads = HpkvConfig.from_env().storage_io_threads
                 cold = name == "storage-cold"
                 gbps = raw_read_gbps(self.l3_dir, self.pages, threads, cold=cold)
