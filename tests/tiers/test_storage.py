@@ -64,11 +64,8 @@ def test_survives_restart(storage_dir: str) -> None:
     assert t2.read_into(k(7), buf())
 
 
-@pytest.mark.parametrize(
-    "damage",
-    ["flip_payload", "flip_header", "truncate", "zero_length", "oversize", "other_layout", "other_key"],
-)
-def test_damaged_file_is_a_counted_miss_and_removed(storage_dir: str, damage: str) -> None:
+def damaged(storage_dir: str, damage: str) -> tuple[StorageTier, str]:
+    """A tier holding chunk 1 whose file was then damaged as ``damage`` says; the tier and the path."""
     t = tier(storage_dir)
     t.write(k(1), rec(k(1), 9))
     path = t.path(k(1))
@@ -90,6 +87,15 @@ def test_damaged_file_is_a_counted_miss_and_removed(storage_dir: str, damage: st
         data = bytearray(rec(k(2), 9))
     with open(path, "wb") as f:
         f.write(data)
+    return t, path
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip_payload", "flip_header", "truncate", "zero_length", "oversize", "other_layout", "other_key"],
+)
+def test_damaged_file_is_a_counted_miss_and_removed(storage_dir: str, damage: str) -> None:
+    t, path = damaged(storage_dir, damage)
     b = buf()
     assert not t.read_into(k(1), b)
     s = t.stats()
@@ -358,23 +364,9 @@ def test_a_cached_file_is_read_straight_into_its_pieces(storage_dir: str) -> Non
         t.read_payload_into(k(1), pieces_of(PAYLOAD - 1, ()))
 
 
-@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "other_key", "truncate"])
+@pytest.mark.parametrize("damage", ["flip_payload", "flip_header", "other_key", "truncate", "oversize"])
 def test_a_damaged_file_read_in_place_is_a_counted_miss_and_removed(storage_dir: str, damage: str) -> None:
-    t = tier(storage_dir)
-    t.write(k(1), rec(k(1), 9))
-    path = t.path(k(1))
-    with open(path, "rb") as f:
-        data = bytearray(f.read())
-    if damage == "flip_payload":
-        data[-100] ^= 0x10
-    elif damage == "flip_header":
-        data[40] ^= 0x01
-    elif damage == "other_key":
-        data = bytearray(rec(k(2), 9))
-    else:
-        data = data[:-10]
-    with open(path, "wb") as f:
-        f.write(data)
+    t, path = damaged(storage_dir, damage)
     got = t.read_payload_into(k(1), pieces_of(PAYLOAD, (2500,)))
     s = t.stats()
     if got is None:  # shorter than a record: not whole in the page cache, left to read_into
