@@ -46,12 +46,13 @@ class LogprobClient:
             **(rfi.extra_body or {}),
         }
         headers = {"x-request-id": rfi.request_id} if rfi.request_id else {}
+        http = session  # vLLM's aiohttp client, passed by that keyword
         out = RequestFuncOutput(prompt_len=rfi.prompt_len)
         steps: list[Step] = []
         start = last = out.start_time = time.perf_counter()
         text = ""
         try:
-            async with session.post(url=rfi.api_url, json=payload, headers=headers) as response:
+            async with http.post(url=rfi.api_url, json=payload, headers=headers) as response:
                 if response.status != 200:
                     out.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                     return out

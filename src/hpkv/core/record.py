@@ -109,6 +109,24 @@ def seal(buf: memoryview, namespace: bytes, key: bytes, payload_len: int) -> Non
     buf[_MAC_AT:HEADER_BYTES] = _mac(buf, payload_len, auth)
 
 
+def _check_header(
+    hdr: memoryview | bytes, namespace: bytes, key: bytes, payload_len: int, auth: bytes | None
+) -> tuple[Verdict, int]:
+    """Every header field against what the reader expects (the first failing one's verdict), and the
+    checksum the header carries (a MAC'd record keeps its MAC after the fields instead)."""
+    magic, version, hlen, ns, k, length, digest = _HEADER.unpack_from(hdr, 0)
+    expected = RECORD_VERSION if auth is None else RECORD_VERSION_MAC
+    if magic != MAGIC or version != expected or hlen != HEADER_BYTES:
+        return Verdict.BAD_HEADER, 0
+    if ns != namespace:
+        return Verdict.WRONG_NAMESPACE, 0
+    if k != key:
+        return Verdict.WRONG_KEY, 0
+    if length != payload_len:
+        return Verdict.WRONG_LENGTH, 0
+    return Verdict.OK, digest
+
+
 def verify(
     buf: memoryview, n: int, namespace: bytes, key: bytes, payload_len: int, *, check_payload: bool = True
 ) -> Verdict:
@@ -119,17 +137,10 @@ def verify(
     """
     if n < HEADER_BYTES:
         return Verdict.SHORT
-    magic, version, hlen, ns, k, length, digest = _HEADER.unpack_from(buf, 0)
     auth = _auth_key
-    expected = RECORD_VERSION if auth is None else RECORD_VERSION_MAC
-    if magic != MAGIC or version != expected or hlen != HEADER_BYTES:
-        return Verdict.BAD_HEADER
-    if ns != namespace:
-        return Verdict.WRONG_NAMESPACE
-    if k != key:
-        return Verdict.WRONG_KEY
-    if length != payload_len:
-        return Verdict.WRONG_LENGTH
+    verdict, digest = _check_header(buf, namespace, key, payload_len, auth)
+    if verdict is not Verdict.OK:
+        return verdict
     if n < HEADER_BYTES + payload_len:
         return Verdict.SHORT
     if n > HEADER_BYTES + payload_len:
@@ -162,16 +173,9 @@ class Checker:
         """Check the 64 header bytes; on OK the payload's pieces may follow."""
         if len(hdr) < HEADER_BYTES:
             return Verdict.SHORT
-        magic, version, hlen, ns, k, length, digest = _HEADER.unpack_from(hdr, 0)
-        expected = RECORD_VERSION if self._auth is None else RECORD_VERSION_MAC
-        if magic != MAGIC or version != expected or hlen != HEADER_BYTES:
-            return Verdict.BAD_HEADER
-        if ns != self.namespace:
-            return Verdict.WRONG_NAMESPACE
-        if k != self.key:
-            return Verdict.WRONG_KEY
-        if length != self.payload_len:
-            return Verdict.WRONG_LENGTH
+        verdict, digest = _check_header(hdr, self.namespace, self.key, self.payload_len, self._auth)
+        if verdict is not Verdict.OK:
+            return verdict
         if self._auth is None:
             self._expected, self._hash = digest, xxhash.xxh3_64()
         else:
