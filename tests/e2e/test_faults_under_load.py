@@ -12,12 +12,15 @@ import json
 import os
 from typing import Any
 
+from hpkv.bench.demo_model import default_dtype
 from hpkv.bench.serve import main as serve_main
 
 # Each turn's 300 new tokens complete a chunk no earlier turn had, so every turn stores something; the
-# pool (11 chunks) holds less than the 20 of the four contexts, so revisits reach the lower tiers.
+# pool (11 chunks: 1 MiB each in float32, half that where the demo model runs in bfloat16) holds less
+# than the 20 of the four contexts, so revisits reach the lower tiers.
+POOL = "12M" if default_dtype() == "float32" else "6M"
 LOAD = ["--users", "4", "--context", "1024", "--question", "300", "--output", "8", "--concurrency", "2",
-        "--engine-blocks", "40", "--pool-size", "12M"]  # fmt: skip
+        "--engine-blocks", "40", "--pool-size", POOL]  # fmt: skip
 
 
 # Each invocation's output directory, for the last test (vLLM alone against itself).
