@@ -3,12 +3,14 @@ scheduler process among a server's processes."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
 import pytest
 
-from hpkv.bench.profile import describe, find_process, summarize
+from hpkv.bench.profile import describe, summarize
+from hpkv.bench.sglang_server import SGLangServer
 
 RAW = """\
 thread (11): hpkv-io_0;Thread._bootstrap (threading.py:1002);_private (local.py:1);read_cached (io.py:204) 300
@@ -34,13 +36,14 @@ def test_summarize_groups_threads_and_leaves_out_waiting_for_work() -> None:
 def test_find_process_by_its_title_within_the_group() -> None:
     proc = subprocess.Popen(["bash", "-c", "exec -a sglang::scheduler_TP0 sleep 30"], start_new_session=True)
     try:
+        server = SGLangServer("model", 0, {}, os.devnull, proc=proc)
         deadline = time.monotonic() + 5
         pid = None
         while pid is None and time.monotonic() < deadline:
-            pid = find_process(proc.pid, "sglang::scheduler")
+            pid = server.process("sglang::scheduler")
             time.sleep(0.05)
         assert pid == proc.pid
-        assert find_process(proc.pid, "sglang::detokenizer") is None
+        assert server.process("sglang::detokenizer") is None
     finally:
         proc.kill()
         proc.wait()

@@ -13,7 +13,6 @@ group's threads per page the row read. Lines where a thread waits for work are l
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -25,21 +24,6 @@ from dataclasses import dataclass, field
 # Innermost frames of a thread with nothing to do: a pool worker or queue waiting for a task.
 IDLE_FRAMES = ("_worker (", "wait (threading.py", "get (queue.py", "_wait_for_tstate_lock", "select (")
 _NUMBER = re.compile(r"[-_]\d+$")
-
-
-def find_process(pgid: int, title: str) -> int | None:
-    """The process of group ``pgid`` whose command line starts with ``title`` (SGLang names its
-    scheduler ``sglang::scheduler``), or None."""
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.getpgid(int(d)) != pgid:
-                continue
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if f.read().split(b"\0")[0].decode(errors="replace").startswith(title):
-                    return int(d)
-    return None
 
 
 @dataclass

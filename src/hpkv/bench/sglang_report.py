@@ -7,9 +7,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from hpkv.bench.verify import TimedRow
 
 L3_TIERS = ("storage", "valkey")  # hpkv's tiers under SGLang (its memory tier is off)
 SCENARIOS = ("prefill", "gpu", "host", "storage", "storage-cold", "mixed", "valkey")
@@ -17,18 +18,12 @@ L3_ROWS = ("storage", "storage-cold", "mixed", "valkey")
 
 
 @dataclass
-class Row:
-    scenario: str
-    ttfts: list[float]
-    valid: bool
-    proof: str
+class Row(TimedRow):
+    """An SGLang row: how much of each prompt came from L3, and hpkv's own read rate."""
+
     l3_tokens: int = 0  # tokens per prompt that came from L3 (median)
     # hpkv: the rate of its own reads into SGLang's host pages (pages x page bytes / time in them)
     backend_gbps: float = 0.0
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.ttfts) if self.ttfts else float("nan")
 
 
 @dataclass

@@ -169,6 +169,17 @@ class SGLangServer:
             time.sleep(0.5)
         self.proc = None
 
+    def process(self, title: str) -> int | None:
+        """The live process of this server whose command line starts with ``title`` (SGLang names
+        its scheduler ``sglang::scheduler``), or None."""
+        if self.proc is None:
+            return None
+        for pid in _group_members(self.proc.pid):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().split(b"\0")[0].decode(errors="replace").startswith(title):
+                    return pid
+        return None
+
     def log_since(self, offset: int) -> str:
         return read_log_since(self.log_path, offset)
 

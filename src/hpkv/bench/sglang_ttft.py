@@ -40,7 +40,7 @@ import tempfile
 import time
 from typing import Any
 
-from hpkv.bench.profile import Recorder, describe, find_process, summarize
+from hpkv.bench.profile import Recorder, describe, summarize
 from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps, warm_page_cache
 from hpkv.bench.server import ServerError, bench_env, counter, first_error
 from hpkv.bench.sglang_report import L3_TIERS, SCENARIOS, Result, Row, report, write_json
@@ -390,9 +390,9 @@ class Runner:
         """py-spy on the scheduler process for this row (``--profile``), or None; a failure to
         start is printed, not fatal."""
         server = self.server
-        if not self.args.profile or server is None or server.proc is None:
+        if not self.args.profile or server is None:
             return None
-        pid = find_process(server.proc.pid, "sglang::scheduler")
+        pid = server.process("sglang::scheduler")
         if pid is None:
             print(f"  [{self.system}] {name}: no sglang::scheduler process to profile", flush=True)
             return None

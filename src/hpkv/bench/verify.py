@@ -17,21 +17,30 @@ HITS = ("memory", "storage", "storage-cold", "mixed", "valkey")
 
 
 @dataclass
-class Row:
+class TimedRow:
+    """One row of a TTFT table, whatever the engine: its requests' TTFTs and whether (and by what)
+    the row is proven."""
+
     scenario: str
     ttfts: list[float]
     valid: bool
     proof: str
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ttfts) if self.ttfts else float("nan")
+
+
+@dataclass
+class Row(TimedRow):
+    """A vLLM row: the hpkv counters that proved it and each load's copy rate."""
+
     deltas: dict[str, int] = field(default_factory=dict)
     copies: list[float] = field(default_factory=list)  # GB/s of each whole load, from hpkv's log
 
     @property
     def mean(self) -> float:
         return statistics.fmean(self.ttfts)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.ttfts)
 
 
 @dataclass
