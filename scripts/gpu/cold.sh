@@ -1,4 +1,4 @@
-# Fifth run: cold-prefill overhead, interleaved with vLLM alone, fresh server pairs.
+# Cold-prefill overhead, interleaved with vLLM alone, fresh server pairs.
 . scripts/gpu/env.sh
 [ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
 # COLD_TIMEOUT bounds the run (a call that installs first has ~520 s left of its 600); COLD_ARGS adds

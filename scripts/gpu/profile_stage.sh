@@ -1,5 +1,5 @@
-# Where a storage hit's staging waits inside vLLM. Ninth session: ~37 ms for 448 MiB with 4 or 8 I/O
-# threads inside vLLM, against 22 ms for Catalog.stage with 8 outside it (probe_stage.py). Runs bench
+# Where a storage hit's staging waits inside vLLM (measured at ~37 ms for 448 MiB with 4 or 8 I/O
+# threads inside vLLM, against 22 ms for Catalog.stage with 8 outside it, probe_stage.py). Runs bench
 # ttft's storage row and, once its storage phase has begun, samples the engine process with py-spy:
 # first only the thread holding the GIL (--gil), then every thread that is not idle. Needs py-spy's
 # wheel in .whl/ (install.sh installs every wheel there). Outputs under $OUT/prof: the bench's log and
@@ -19,7 +19,7 @@ until grep -q "staged 32 chunks" $P/ttft/vllm-hpkv.log 2>/dev/null; do
   sleep 0.2
 done
 PID=$(pgrep -n -f EngineCore)
-# /proc and py-spy's GIL pass at once: the storage phase of 24 prompts lasts ~6 s (tenth session)
+# /proc and py-spy's GIL pass at once: the storage phase of 24 prompts lasts ~6 s 
 python3 scripts/gpu/threads.py $PID ${PROF_S:-3} > $P/threads.txt 2>&1 &
 T=$!
 $SPY record --pid $PID --gil --threads --nonblocking --rate 500 --duration ${PROF_S:-3} --format raw \

