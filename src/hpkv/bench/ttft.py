@@ -81,6 +81,75 @@ def letter_prompts(n: int, tokens: int) -> list[str]:
     return [" ".join([chr(ord("A") + i % 26)] * tokens) for i in range(n)]
 
 
+class Measured:
+    """One system's row in the making: the counters before its first request, each request's TTFT,
+    and at the end the row, checked against the tier scenario ``name`` claims (hpkv's counters,
+    or vLLM's for a peer)."""
+
+    def __init__(
+        self,
+        server: Server,
+        name: str,
+        expect: Expect,
+        log: list[dict[str, Any]],
+        *,
+        hpkv: bool = True,
+        keyspace: Callable[[], int] | None = None,
+        system: str = "",
+    ) -> None:
+        self.server, self.name, self.expect, self.log = server, name, expect, log
+        self.hpkv, self.keyspace, self.system = hpkv, keyspace, system
+        self.before = server.settled_stats() if hpkv else {}
+        self.engine0 = server.engine_counters()
+        self.hits0 = keyspace() if keyspace else 0
+        self.log0 = server.log_size()
+        self.ttfts: list[float] = []
+
+    def send(self, prompt: str, progress: Any = None) -> float:
+        t, resp = self.server.complete(prompt, max_tokens=1)
+        self.ttfts.append(t)
+        entry = {
+            "scenario": self.name,
+            "prompt": len(self.ttfts) - 1,
+            "ttft_s": t,
+            "prompt_tokens": resp.get("usage", {}).get("prompt_tokens"),
+        }
+        if self.system:
+            entry["system"] = self.system
+        self.log.append(entry)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix_str(f"{self.name} {t:.3f}s")
+        else:
+            print(
+                f"  {self.system + ' ' if self.system else ''}{self.name:8} {len(self.ttfts) - 1}: "
+                f"TTFT={t:.6f}s | prompt_tokens={entry['prompt_tokens']}",
+                flush=True,
+            )
+        return t
+
+    def row(self, where: str = "") -> Row:
+        # hpkv's counters once nothing is pending (vLLM's own /metrics are updated with each step).
+        server, name, expect = self.server, self.name, self.expect
+        after = server.settled_stats() if self.hpkv else {}
+        engine1 = server.engine_counters()
+        d = {
+            k: engine1.get(k, 0) - self.engine0.get(k, 0)
+            for k in ("prefix_cache_hits", "external_prefix_cache_hits")
+        }
+        if self.keyspace:
+            d["keyspace_hits"] = self.keyspace() - self.hits0
+        if self.hpkv:
+            d.update(hpkv_deltas(self.before, after))
+            # Storage and valkey count each rank's shard: the engine says how many ranks it has.
+            ok, proof = verify_hpkv(name, d, replace(expect, ranks=int(after.get("ranks", 1))))
+        else:
+            ok, proof = verify_engine(name, d, expect, where)
+        # The copies' own rate, per load (a hit's loads only: the GPU-hit row's partial blocks are not one).
+        copies = server.load_rates(self.log0, expect.tokens // 2) if self.hpkv and name in HITS else []
+        return Row(name, self.ttfts, ok, proof if ok else f"INVALID: {proof}", d, copies)
+
+
 def run_scenario(
     server: Server,
     name: str,
@@ -96,45 +165,11 @@ def run_scenario(
 ) -> Row:
     """Send ``prompts`` and check the counters against the tier ``name`` claims: hpkv's own
     (``hpkv``) or vLLM's (a peer). ``keyspace``: the valkey servers' summed keyspace_hits."""
-    before = server.settled_stats() if hpkv else {}
-    engine0 = server.engine_counters()
-    hits0 = keyspace() if keyspace else 0
-    log0 = server.log_size()
-    ttfts = []
-    for i, p in enumerate(prompts):
-        t, resp = server.complete(p, max_tokens=1)
-        ttfts.append(t)
-        log.append(
-            {
-                "scenario": name,
-                "prompt": i,
-                "ttft_s": t,
-                "prompt_tokens": resp.get("usage", {}).get("prompt_tokens"),
-            }
-        )
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix_str(f"{name} {t:.3f}s")
-        else:
-            print(f"  {name:8} {i}: TTFT={t:.6f}s | prompt_tokens={log[-1]['prompt_tokens']}", flush=True)
+    m = Measured(server, name, expect, log, hpkv=hpkv, keyspace=keyspace)
+    for p in prompts:
+        m.send(p, progress)
         time.sleep(pause)
-    # hpkv's counters once nothing is pending (vLLM's own /metrics are updated with each step).
-    after = server.settled_stats() if hpkv else {}
-    engine1 = server.engine_counters()
-    d = {
-        k: engine1.get(k, 0) - engine0.get(k, 0) for k in ("prefix_cache_hits", "external_prefix_cache_hits")
-    }
-    if keyspace:
-        d["keyspace_hits"] = keyspace() - hits0
-    if hpkv:
-        d.update(hpkv_deltas(before, after))
-        # Storage and valkey count each rank's shard: the engine says how many ranks it has.
-        ok, proof = verify_hpkv(name, d, replace(expect, ranks=int(after.get("ranks", 1))))
-    else:
-        ok, proof = verify_engine(name, d, expect, where)
-    # The copies' own rate, per load (a hit's loads only: the GPU-hit row's partial blocks are not one).
-    copies = server.load_rates(log0, expect.tokens // 2) if hpkv and name in HITS else []
-    return Row(name, ttfts, ok, proof if ok else f"INVALID: {proof}", d, copies)
+    return m.row(where)
 
 
 def random_prompts(model: str, n: int, tokens: int) -> list[str]:
@@ -215,6 +250,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--block-size", type=int, default=64)
     ap.add_argument("--pause", type=float, default=0.2, help="seconds between requests")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="with --compare: every system's server at once, the prefill, GPU-hit and memory rows "
+        "alternated request by request (what hpkv costs a request, against its peers on the same "
+        "minutes of the same machine); the rows that restart an engine then run system by system",
+    )
     ap.add_argument("--pool-size", default="2G", help="HPKV_KV_MEM_POOL_SIZE (and LMCache's L1 size)")
     ap.add_argument(
         "--skip-reset",
@@ -257,8 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     expect = Expect(args.prompts, chunks, args.tokens, args.block_size)
     log: list[dict[str, Any]] = []
     results = []
-    for name in systems:
-        results.append(Runner(args, name, model, prompts, expect, log).run(scenarios))
+    if args.interleave and len(systems) > 1 and args.url is None:
+        runners = [Runner(args, name, model, prompts, expect, log, port=args.port + 10 * i)
+                   for i, name in enumerate(systems)]  # fmt: skip
+        results = interleaved(runners, scenarios)
+    else:
+        for name in systems:
+            results.append(Runner(args, name, model, prompts, expect, log).run(scenarios))
 
     kv_bytes = max((kv_bytes_per_prompt(x.rows, args.prompts) for x in results), default=0)
     ref_what, ref = memory_reference(kv_bytes or (48 << 20))
@@ -311,6 +358,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(not x.error and all(r.valid for r in x.rows) for x in ours) else 1
 
 
+SHARED_ROWS = ("prefill", "gpu", "memory")  # the rows --interleave alternates across the systems
+
+
+def interleaved(runners: list[Runner], scenarios: list[str]) -> list[System]:
+    """Every system's server at once; the prefill, GPU-hit and memory rows request by request, the
+    systems' order turned at each prompt (so none always goes first), each request sent once every
+    server is quiet (vLLM's workers poll for a while after a step); then each system's other rows
+    (its restarts included) while the others' servers idle."""
+    plans = {id(r): r.plan(scenarios) for r in runners}
+    try:
+        live = [r for r in runners if r.start(plans[id(r)])]
+        for name in [s for s in SHARED_ROWS if s in scenarios]:
+            taking = [r for r in live if name in plans[id(r)]]
+            rows = {id(r): r.begin(name) for r in taking}
+            for i, p in enumerate(taking[0].prompts if taking else []):
+                for r in taking if i % 2 == 0 else taking[::-1]:
+                    for other in taking:
+                        assert other.server is not None
+                        other.server.quiet()
+                    rows[id(r)][0].send(p)
+                    time.sleep(r.args.pause)
+            for r in taking:
+                r.end(rows[id(r)])
+        for r in live:
+            r.run([s for s in plans[id(r)] if s not in SHARED_ROWS], started=True)
+    except (ServerError, RuntimeError, OSError) as e:
+        for r in runners:
+            r.out.error = r.out.error or first_error(str(e))
+        print(f"stopped: {first_error(str(e))}", flush=True)
+    finally:
+        for r in runners:
+            r.close()
+    return [r.out for r in runners]
+
+
 class Runner:
     """One system's run on one engine: start, the scenarios in order with what each needs before it
     (a reset, a restart, emptied tiers), the references, stop."""
@@ -323,10 +405,13 @@ class Runner:
         prompts: list[str],
         expect: Expect,
         log: list[dict[str, Any]],
+        *,
+        port: int | None = None,
     ) -> None:
         self.args, self.system, self.model, self.prompts, self.expect, self.log = (
             args, system, model, prompts, expect, log,
         )  # fmt: skip
+        self.port = args.port if port is None else port
         self.hpkv = system.startswith("hpkv")  # hpkv or a variant of it (its own settings, same proofs)
         self.out = System(system)
         self.work = tempfile.mkdtemp(prefix="hpkv-bench-ttft-")
@@ -355,10 +440,12 @@ class Runner:
             todo = [s for s in todo if s not in NEEDS_LOCAL and (s not in HITS or self.hpkv)]
         return todo
 
-    def run(self, scenarios: list[str]) -> System:
-        todo = self.plan(scenarios)
+    def run(self, scenarios: list[str], *, started: bool = False) -> System:
+        """The scenarios in order (``started``: on the server :meth:`start` already started, left
+        running for the caller to close)."""
+        todo = self.plan(scenarios) if not started else list(scenarios)
         try:
-            if not self.start(todo):
+            if not started and not self.start(todo):
                 return self.out
             from tqdm import tqdm
 
@@ -366,32 +453,38 @@ class Runner:
                 total=len(todo) * len(self.prompts), desc=self.system, unit="req", file=sys.stdout
             ) as bar:
                 for name in todo:
-                    expect, where = self._prepare(name, bar)
+                    measured = self.begin(name, bar)
                     bar.set_description(f"{self.system}: {name}")
-                    assert self.server is not None
-                    row = run_scenario(
-                        self.server,
-                        name,
-                        self.prompts,
-                        self.args.pause,
-                        expect,
-                        self.log,
-                        hpkv=self.hpkv,
-                        keyspace=self.valkey.keyspace_hits if self.valkey and name == "valkey" else None,
-                        progress=bar,
-                        where=where,
-                    )
-                    for entry in self.log[-len(self.prompts) :]:
-                        entry["system"] = self.system
-                    self.out.rows.append(row)
-                    if self.hpkv and row.valid:
-                        self._reference(name)
+                    for p in self.prompts:
+                        measured[0].send(p, bar)
+                        time.sleep(self.args.pause)
+                    self.end(measured)
         except (ServerError, RuntimeError, OSError) as e:
             self.out.error = self.out.error or first_error(str(e))
             print(f"[{self.system}] stopped: {self.out.error}", flush=True)
         finally:
-            self.close()
+            if not started:
+                self.close()
         return self.out
+
+    def begin(self, name: str, bar: Any = None) -> tuple[Measured, str]:
+        """Bring the tiers into the state scenario ``name`` needs and start measuring its row;
+        returns the row in the making and, for a peer, where its data must be coming from."""
+        expect, where = self._prepare(name, bar)
+        assert self.server is not None
+        keyspace = self.valkey.keyspace_hits if self.valkey and name == "valkey" else None
+        m = Measured(
+            self.server, name, expect, self.log, hpkv=self.hpkv, keyspace=keyspace, system=self.system
+        )
+        return m, where
+
+    def end(self, measured: tuple[Measured, str]) -> None:
+        """The row's proof from the counters, and the raw reference of the tier it proved."""
+        m, where = measured
+        row = m.row(where)
+        self.out.rows.append(row)
+        if self.hpkv and row.valid:
+            self._reference(m.name)
 
     # -- engines and servers ------------------------------------------------------------------
 
@@ -448,7 +541,7 @@ class Runner:
                 print(f"[{self.system}] not run: {why}", flush=True)
                 return False
             self.peer_python = py
-            port = args.port + 100
+            port = self.port + 100
             self.lmcache = LMCacheServer(
                 py,
                 port,
@@ -460,7 +553,7 @@ class Runner:
             connector = lmcache_connector(port)
         self.server = Server(
             self.model,
-            args.port,
+            self.port,
             env,
             os.path.join(args.out, f"vllm-{self.system}.log"),
             block_size=args.block_size,
