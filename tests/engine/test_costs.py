@@ -140,3 +140,50 @@ def test_a_new_estimate_is_kept_at_once_a_moved_one_at_most_every_interval(tmp_p
     assert RateMemo([d], "k").load()["prefill"] == 100.0
     m.save({"prefill": 200.0, "write:valkey": 5.0}, force=True)
     assert RateMemo([d], "k").load()["prefill"] == 200.0
+
+
+def test_a_step_has_a_floor_so_a_prompts_last_partial_block_is_not_worth_a_load() -> None:
+    """On a GPU a step of 1 token and one of 64 take the same time (the weights are read once
+    either way): loading the 63 tokens vLLM's own cache leaves saves nothing, and costs a copy."""
+    c = costs(prefill=40_000.0)
+    assert c.step_floor() is None and c.worth_loading(63, 1, CHUNK_BYTES)  # not measured: load
+    for tokens in (1, 64, 1, 64):
+        c.computed(tokens, 0.012)  # 12 ms whatever the count: far above tokens / rate
+    assert c.step_floor() == 0.012
+    assert c.step_seconds(64) == c.step_seconds(1) == 0.012
+    assert c.step_seconds(8192) == 8192 / 40_000.0
+    assert not c.worth_loading(63, 1, CHUNK_BYTES)  # saves nothing
+    assert c.worth_loading(8191, 1, 32 * CHUNK_BYTES)  # a whole prompt: saves 200 ms
+    assert c.snapshot()["step_floor_ms"] == 12.0
+
+
+def test_where_small_steps_scale_with_their_tokens_there_is_no_floor() -> None:
+    """A CPU engine computes 64 tokens in 64 times a token's time: such steps set no floor, and
+    the tail of a prompt is loaded when its copy is cheaper than its compute."""
+    c = costs(prefill=2_000.0)
+    for tokens in (64, 32, 64):
+        c.computed(tokens, tokens / 2_000.0)
+    assert c.step_floor() is None
+    assert c.worth_loading(63, 1, CHUNK_BYTES)
+
+
+def test_a_loads_own_cost_is_measured_and_weighed() -> None:
+    c = costs(prefill=2_000.0)
+    assert c.copy_cost(CHUNK_BYTES) is None
+    c.copied(32 * CHUNK_BYTES, 32 * CHUNK_BYTES / 50e9 + 0.001)  # 1 ms fixed, then 50 GB/s
+    c.copied(CHUNK_BYTES, CHUNK_BYTES / 50e9 + 0.001)
+    rate, fixed = c.export()["copy"], c.export()["copy_fixed"]
+    assert 45e9 < rate <= 50e9 and 0.0005 < fixed < 0.0015
+    assert c.worth_loading(63, 1, CHUNK_BYTES)  # 31 ms of compute against ~1.3 ms of copy
+    assert not c.worth_loading(2, 1, CHUNK_BYTES)  # 1 ms of compute against ~1.3 ms of copy
+    restarted = costs(prefill=None)
+    restarted.seed(c.export())
+    cost = restarted.copy_cost(CHUNK_BYTES)
+    assert cost is not None and abs(cost - c.copy_cost(CHUNK_BYTES)) < 1e-6  # type: ignore[operator]
+
+
+def test_cost_aware_loading_off_loads_every_tail() -> None:
+    c = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES, enabled=False)
+    c.computed(8192, 0.2)
+    c.computed(1, 0.012)
+    assert c.worth_loading(63, 1, CHUNK_BYTES)

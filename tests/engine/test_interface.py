@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import wait
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine import local
 from hpkv.engine.catalog import HELD, MEMORY, STORAGE, Catalog
-from hpkv.engine.lookup import Hit, IllegalTransition, Lookup, Miss, Pending, Phase
+from hpkv.engine.lookup import Answer, Hit, IllegalTransition, Lookup, Miss, Pending, Phase
 from hpkv.integrations.vllm.reqstate import LoadPhase, ReqState
 from tests.conftest import CHUNK, SMALL
 
@@ -63,6 +64,17 @@ def slot_bytes(cat: Catalog, slot: int) -> bytes:
     return bytes(cat.pools[0].view[off : off + cat.payload_bytes])
 
 
+def ask(cat: Catalog, lk: Lookup, **kw: Any) -> Answer:
+    """The first answer once the lookup's probe (what the tiers below memory hold and where each
+    read comes from, asked on an I/O thread) is in."""
+    answer = cat.lookup(lk, **kw)
+    if lk.phase is Phase.LOCATING:
+        assert lk.probe is not None
+        lk.probe.result(timeout=10)
+        answer = cat.lookup(lk, **kw)
+    return answer
+
+
 def ask_until_answered(cat: Catalog, lk: Lookup, first: int = 0) -> Hit | Miss:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -87,7 +99,12 @@ def test_a_memory_hit_then_a_storage_hit_through_the_schedulers_sequence(cat: Ca
     cat.clear((MEMORY,))  # storage alone holds them now
     lk = Lookup(lks)
     first = cat.lookup(lk, defer=True)
-    assert isinstance(first, Pending) and lk.phase is Phase.STAGING  # promotions, reads deferred
+    # Where each read would come from (a look into the page cache per file) is asked on an I/O
+    # thread, never on the caller's: the first answer is "ask again".
+    assert isinstance(first, Pending) and first.why == "locating" and lk.phase is Phase.LOCATING
+    assert lk.probe is not None and lk.probe.result()[1] == {k: STORAGE for k in lks}  # page cache
+    second = cat.lookup(lk, defer=True)
+    assert isinstance(second, Pending) and lk.phase is Phase.STAGING  # promotions, reads deferred
     hit = ask_until_answered(cat, lk)
     assert isinstance(hit, Hit) and hit.tiers == {STORAGE: 4}
     assert [slot_bytes(cat, s) for s in hit.slots] == payloads
@@ -102,7 +119,7 @@ def test_a_streamed_hit_hands_out_each_chunk_once_it_is_in_memory(cat: Catalog) 
     payloads = store_as_workers(cat, lks)
     cat.clear((MEMORY,))
     lk = Lookup(lks)
-    hit = cat.lookup(lk, stream=lambda below, n: below > 0)
+    hit = ask(cat, lk, stream=lambda below, n: below > 0)
     assert isinstance(hit, Hit) and hit.streaming and hit.chunks == 3 and lk.phase is Phase.STREAMING
     cat.start_deferred()
     got: dict[int, bytes] = {}
@@ -148,7 +165,7 @@ def test_a_reset_while_a_lookup_is_pending_makes_nothing_in_flight_visible(
     store_as_workers(cat, lks)
     cat.clear((MEMORY,))
     lk = Lookup(lks)
-    assert isinstance(cat.lookup(lk, defer=True), Pending)  # slots reserved, reads not started
+    assert isinstance(ask(cat, lk, defer=True), Pending)  # slots reserved, reads not started
     cat.clear((MEMORY,))  # reset_external while the promotions are pending
     cat.start_deferred()
     wait(lk.staging, timeout=10)
@@ -165,7 +182,7 @@ def test_an_abort_while_loading_releases_every_pin_and_protection(cat: Catalog) 
     store_as_workers(cat, lks)
     cat.clear((MEMORY,))
     lk = Lookup(lks)
-    hit = cat.lookup(lk, stream=lambda below, n: True)
+    hit = ask(cat, lk, stream=lambda below, n: True)
     assert isinstance(hit, Hit) and hit.streaming
     cat.start_deferred()
     wait(lk.staging, timeout=10)

@@ -28,7 +28,7 @@ from vllm.v1.request import Request
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import MEMORY
+from hpkv.engine.catalog import MEMORY, STORAGE
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta
 from hpkv.integrations.vllm.scheduler import HpkvScheduler
 from hpkv.tiers.memory.pool import slot_bytes
@@ -49,6 +49,15 @@ class Sim:
 
     def request(self, rid: str, tokens: list[int]) -> Request:
         return Request(rid, tokens, SamplingParams(max_tokens=4), None)
+
+    def arrive(self, req: Request) -> Request:
+        """vLLM queues ``req`` and it waits there until its probe (what the lookup asks on an I/O
+        thread: the remote tiers, where each read below memory comes from) is in."""
+        self.s.on_new_request(req)
+        ahead = self.s._reqs[req.request_id].lookup.ahead
+        if ahead is not None:
+            ahead.answer.result(5)
+        return req
 
     def lookup(self, req: Request, computed: int = 0) -> int | None:
         n, asynchronous = self.s.get_num_new_matched_tokens(req, computed)
@@ -207,7 +216,7 @@ def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest
     sim.s.reset_cache()  # memory emptied; the chunks stay in storage
     gate = Gate(sim, monkeypatch)
     sim.running()  # another request whose steps a wait here would delay
-    req = sim.request("b", tokens)
+    req = sim.arrive(sim.request("b", tokens))
     answers: list[int | None] = []
     t = threading.Thread(target=lambda: answers.append(sim.lookup(req)))
     t.start()
@@ -245,7 +254,7 @@ def test_an_empty_step_waits_for_staging_only_with_no_computing_step_out(
     assert sim.lookup_settled(running) == 0
     sim.admit(running, 0)
     gate = Gate(sim, monkeypatch)
-    req = sim.request("b", tokens)
+    req = sim.arrive(sim.request("b", tokens))
     assert sim.lookup(req) is None  # staging, held at its first read
     sim.cat.start_deferred()  # as the scheduling pass's end does (build_connector_meta)
     assert gate.reading.wait(5)
@@ -362,7 +371,7 @@ def test_a_hit_waits_for_room_only_so_long_then_comes_out_short(
     assert sim.cold("o", other) == 6
     holder = sim.request("h", other)
     assert sim.lookup_settled(holder) == 6 * CHUNK  # holds 6 of the 8 slots and never leaves
-    req = sim.request("b", mine)
+    req = sim.arrive(sim.request("b", mine))
     assert sim.lookup(req) is None
     time.sleep(0.35)
     assert sim.lookup_settled(req) == 2 * CHUNK  # promoted as far as the room went
@@ -511,13 +520,14 @@ def spy_probes(sim: Sim, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The number of chunks of each existence check the scheduler sends to the remote tiers (the
     real check runs; only its calls are counted)."""
     sent: list[int] = []
-    real = sim.cat.probe_remote
+    real = sim.cat.probe
 
-    def counted(lks: list[bytes], tenant: str = "shared") -> Any:
-        sent.append(len(lks))
-        return real(lks, tenant)
+    def counted(gaps: list[bytes], held: Any, tenant: str = "shared", *, remote: bool = True) -> Any:
+        if remote:
+            sent.append(len(gaps))
+        return real(gaps, held, tenant, remote=remote)
 
-    monkeypatch.setattr(sim.cat, "probe_remote", counted)
+    monkeypatch.setattr(sim.cat, "probe", counted)
     return sent
 
 
@@ -920,7 +930,7 @@ def test_async_auto_on_a_gpu_a_storage_hit_alone_loads_asynchronously(make_sim: 
     sim = make_sim(gpu=True, async_load="auto")
     tokens = prompt(3, seed=61)
     lks = in_storage_only(sim, tokens, 3)
-    alone = sim.request("alone", tokens)
+    alone = sim.arrive(sim.request("alone", tokens))
     assert sim.s.get_num_new_matched_tokens(alone, 0) == (3 * CHUNK, True)
     ids = sim.admit(alone, 3 * CHUNK)
     parts = parts_until_last(sim)
@@ -949,9 +959,9 @@ def test_the_engines_steps_measure_its_prefill_rate_and_a_restart_keeps_it(
     rate = sim.s.costs.prefill_rate()
     assert rate is not None and rate > 0
     with open(os.path.join(storage_dir, ".hpkv-rates.json")) as f:
-        assert list(json.load(f).values()) == [{"prefill": round(rate, 1)}]
+        assert list(json.load(f).values()) == [{"prefill": float(f"{rate:.6g}")}]
     again = make_sim()  # the same model and device, after a restart
-    assert again.s.costs.prefill_rate() == round(rate, 1)
+    assert again.s.costs.prefill_rate() == float(f"{rate:.6g}")
 
 
 def test_a_hit_slower_than_recomputing_is_left_to_the_engine_and_then_kept_in_memory(make_sim: Any) -> None:
@@ -982,3 +992,96 @@ def test_a_hit_slower_than_recomputing_is_left_to_the_engine_and_then_kept_in_me
     assert sim.lookup_settled(req) == 4 * CHUNK  # now a memory hit, always worth loading
     assert sim.counters()["chunks_left_to_recompute"] == 4
     sim.s.request_finished(req)
+
+
+def test_the_scheduler_thread_makes_no_system_call_per_chunk(
+    make_sim: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's connector contract: what the scheduler thread does must be light and never block. A
+    lookup, a storage hit's staging and the stores of a step ask nothing of a chunk file on that
+    thread: the storage index answers from memory, and where a read would come from (a look into
+    the page cache per file) is asked on an I/O thread."""
+    import hpkv.tiers.disk.io as io
+    import hpkv.tiers.disk.tier as tier
+
+    sim = make_sim()
+    tokens = prompt(4, seed=71)
+    in_storage_only(sim, tokens, 4)
+    calls: list[str] = []
+    main = threading.main_thread()
+
+    def spied(name: str, real: Any) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            if threading.current_thread() is main:
+                calls.append(name)
+            return real(*args, **kw)
+
+        return call
+
+    for mod, name in ((tier.os, "lstat"), (tier.os, "stat"), (io.os, "open"), (io, "in_page_cache")):
+        monkeypatch.setattr(mod, name, spied(name, getattr(mod, name)))
+    monkeypatch.setattr(tier, "in_page_cache", io.in_page_cache)
+    cold = sim.request("new", prompt(4, seed=72))  # a miss: stores four chunks
+    assert sim.lookup_settled(cold) == 0
+    sim.admit(cold, 0)
+    meta = sim.step([(cold, 0, 4 * CHUNK + 1)])
+    sim.fill(meta)
+    sim.report({op: (1, 0) for op in sim.ops(meta)})
+    hit = sim.arrive(sim.request("hit", tokens))
+    assert sim.lookup_settled(hit) == 4 * CHUNK  # from storage
+    assert sim.cat.stats()[STORAGE]["hits"] == 4
+    assert calls == []
+    for r in (cold, hit):
+        sim.s.request_finished(r)
+
+
+def test_a_steps_stores_ask_the_host_pool_a_fixed_number_of_questions(make_sim: Any) -> None:
+    """With the host pool every question to the memory tier is a round trip to another process: the
+    stores of a request in a step ask twice (which chunks are resident, slots for the rest) and
+    their completions once, however many chunks there are."""
+    sim = make_sim(memory_pool="shared", storage_path="")
+    slots = sim.cat.memory
+    asked: list[str] = []
+    real = slots._ask
+
+    def counted(message: dict[str, Any]) -> Any:
+        asked.append(str(message["op"]))
+        return real(message)
+
+    slots._ask = counted  # type: ignore[method-assign]
+    for chunks, seed in ((2, 73), (6, 74)):
+        req = sim.request(f"r{chunks}", prompt(chunks, seed=seed))
+        assert sim.lookup_settled(req) == 0
+        sim.admit(req, 0)
+        asked.clear()
+        meta = sim.step([(req, 0, chunks * CHUNK + 1)])
+        sim.fill(meta)
+        sim.report({op: (1, 0) for op in sim.ops(meta)})
+        assert len(meta.stores) == chunks
+        assert asked == ["pin_each", "reserve_many", "commit_many"], asked
+        sim.s.request_finished(req)
+
+
+def test_a_prompts_last_partial_block_is_left_to_the_engine_where_a_step_has_a_floor(
+    make_sim: Any,
+) -> None:
+    """vLLM's own cache holds every block but the last, partial one: hpkv holds the chunk around it,
+    but where a step of a few tokens costs what a step of one does (a GPU), loading them saves
+    nothing and costs a copy; nothing is asked of any tier and nothing is pinned."""
+    sim = make_sim()
+    tokens = prompt(4, seed=75)
+    assert sim.cold("a", tokens) == 4
+    tail = len(tokens) - 1 - (4 * CHUNK - BLOCK)  # what hpkv would load past vLLM's own hit
+    req = sim.request("b", tokens)
+    assert sim.lookup(req, 4 * CHUNK - BLOCK) == tail  # no floor measured yet: loaded
+    sim.s.request_finished(req)
+    sim.s.costs.computed(8192, 0.2)
+    for n in (1, BLOCK):
+        sim.s.costs.computed(n, 0.012)
+    hits = sim.cat.stats()[MEMORY]["hits"]
+    again = sim.request("c", tokens)
+    assert sim.lookup(again, 4 * CHUNK - BLOCK) == 0
+    assert sim.counters()["lookups_not_worth_a_load"] == 1
+    assert sim.pinned() == 0 and sim.cat.stats()[MEMORY]["hits"] == hits
+    sim.s.request_finished(again)
+    assert sim.pinned() == 0

@@ -36,7 +36,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ALL_COMPLETED, Future, wait
 from typing import Any
 
@@ -49,7 +49,7 @@ from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.engine.cascade import Cascade
 from hpkv.engine.costs import LoadCosts
-from hpkv.engine.lookup import Ahead, Answer, Arrivals, Hit, Lookup, Miss, Names, Pending, Phase
+from hpkv.engine.lookup import Ahead, Answer, Arrivals, Hit, Located, Lookup, Miss, Names, Pending, Phase
 from hpkv.engine.pools import open_memory
 from hpkv.engine.promotion import Promoter
 from hpkv.tiers.base import TIERS, Tier, builder
@@ -208,6 +208,11 @@ class Catalog:
     def tier_names(self) -> list[str]:
         return ([MEMORY] if self.pools else []) + list(self.tiers)
 
+    def _local_names(self) -> list[str]:
+        """The local tiers below memory: a read's source there needs a look (see ``Tier.source``);
+        a remote tier's is its name."""
+        return [n for n, ts in self.tiers.items() if not ts[0].remote]
+
     def _local_tiers(self) -> list[tuple[str, list[Tier]]]:
         return [(n, ts) for n, ts in self.tiers.items() if not ts[0].remote]
 
@@ -250,9 +255,11 @@ class Catalog:
         return lk in self.memory
 
     def held_locally(self, lk: bytes, tenant: str = SHARED) -> str | None:
-        """The first local tier (no network) that holds every rank's shard of ``lk``, or None."""
+        """The first local tier (no network) known to hold every rank's shard of ``lk``, or None:
+        from what each tier keeps in memory (``Tier.held``), no system call. A file another process
+        wrote since is found by the lookup's probe (:meth:`locate_below`), off the caller's thread."""
         for name, ts in self._local_tiers():
-            if all(t.contains_many([self.record_key(i, lk)], tenant)[0] for i, t in enumerate(ts)):
+            if all(t.held(self.record_key(i, lk), tenant) for i, t in enumerate(ts)):
                 return name
         return None
 
@@ -273,11 +280,12 @@ class Catalog:
             return tier
         return self.tiers[tier][0].source(self.record_key(0, lk), tenant)
 
-    def in_remote_many(self, lks: list[bytes], tenant: str = SHARED) -> list[str | None]:
-        """Per key the first remote tier that holds every rank's shard, else None: one pipelined
-        round trip per rank and remote tier, for the keys the faster ones lack. Blocks for it."""
-        out: list[str | None] = [None] * len(lks)
-        for name, ts in self._remote_tiers():
+    def in_slow_many(self, lks: list[bytes], tenant: str = SHARED, *, remote: bool = True) -> Names:
+        """Per key the first tier below memory that holds every rank's shard, else None: the local
+        tiers asked for what their index lacks (a file another process wrote), then (``remote``)
+        one pipelined round trip per rank and remote tier for the rest. Blocks for it."""
+        out: Names = [None] * len(lks)
+        for name, ts in self._local_tiers() + (self._remote_tiers() if remote else []):
             rest = [j for j, w in enumerate(out) if w is None]
             if not rest:
                 break
@@ -290,26 +298,45 @@ class Catalog:
                     out[j] = name
         return out
 
-    def probe_remote(self, lks: list[bytes], tenant: str = SHARED) -> Future[Names]:
-        """:meth:`in_remote_many` on an I/O thread; never blocks. A failure answers "absent"."""
-
-        def run() -> Names:
+    def locate_below(
+        self, gaps: list[bytes], held: list[tuple[bytes, str]], tenant: str = SHARED, *, remote: bool = True
+    ) -> Located:
+        """What a lookup asks off the engine's thread: per key of ``gaps`` the tier below memory that
+        holds it (:meth:`in_slow_many`), and where each read would come from (``Tier.source``: for
+        storage a look into the page cache per file) for those and for ``held`` (key, tier). A
+        failure answers "absent". Blocks for it."""
+        try:
+            names = self.in_slow_many(gaps, tenant, remote=remote) if gaps else []
+        except Exception:
+            log.exception("hpkv: existence check failed")
+            names = [None] * len(gaps)
+        sources: dict[bytes, str] = {}
+        for k, tier in [*held, *((k, n) for k, n in zip(gaps, names, strict=True) if n is not None)]:
             try:
-                return self.in_remote_many(lks, tenant)
+                sources[k] = self.read_source(k, tier, tenant)
             except Exception:
-                log.exception("hpkv: remote existence check failed")
-                return [None] * len(lks)
+                sources[k] = tier
+        return names, sources
 
-        return self._promoter.submit(run)
+    def probe(
+        self, gaps: list[bytes], held: list[tuple[bytes, str]], tenant: str = SHARED, *, remote: bool = True
+    ) -> Future[Located]:
+        """:meth:`locate_below` on an I/O thread; never blocks."""
+        return self._promoter.submit(lambda: self.locate_below(gaps, held, tenant, remote=remote))
+
+    def _sources_needed(self) -> bool:
+        """Whether a lookup needs to know where each read below memory comes from: for the cost plan
+        (a prefill rate to weigh it against) or to measure the promotions into memory by source."""
+        return bool(self.pools) or (self.costs.enabled and self.costs.prefill_rate() is not None)
 
     def locate(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
         The first steps of :meth:`lookup` (the remote tiers asked once, for the keys the local ones
         lack), waited for, with nothing protected, promoted or counted: an existence check."""
         lk = Lookup(list(lks), tenant)
-        self._find(lk, 0, probe=True)
+        self._find(lk, 0, probe=True, sources=False)
         if lk.probe is not None:
-            for i, name in zip(lk.probe_at, lk.probe.result(), strict=True):
+            for i, name in zip(lk.probe_at, lk.probe.result()[0], strict=True):
                 lk.where[i] = name
         out = lk.where
         if None in out:
@@ -320,14 +347,19 @@ class Catalog:
     # -- the lookup ---------------------------------------------------------------------
 
     def look_ahead(self, lk: Lookup) -> None:
-        """The request was queued: ask the remote tiers now about the chunks the local ones lack,
-        so that its first :meth:`lookup` finds the answer in. Never blocks."""
-        if not self.has_remote or lk.phase is not Phase.NEW or lk.ahead is not None or not lk.lks:
+        """The request was queued: ask now, on an I/O thread, what its first :meth:`lookup` would
+        ask there (the remote tiers about the chunks the others lack, where each read below memory
+        would come from), so that the lookup finds the answer in. Never blocks."""
+        if not self.tiers or lk.phase is not Phase.NEW or lk.ahead is not None or not lk.lks:
             return
         where = self.locate_local(lk.lks, lk.tenant)
-        gaps = [i for i, w in enumerate(where) if w is None]
-        if gaps:
-            lk.ahead = Ahead(self.probe_remote([lk.lks[i] for i in gaps], lk.tenant), gaps)
+        gaps = [i for i, w in enumerate(where) if w is None] if self.has_remote else []
+        held = []
+        if self._sources_needed():
+            held = [(k, w) for k, w in zip(lk.lks, where, strict=True) if w in self._local_names()]
+        if gaps or held:
+            answer = self.probe([lk.lks[i] for i in gaps], held, lk.tenant, remote=bool(gaps))
+            lk.ahead = Ahead(answer, gaps)
 
     def lookup(
         self,
@@ -369,10 +401,11 @@ class Catalog:
             assert lk.probe is not None
             self._wait([lk.probe], lk, wait_until)
             if not lk.probe.done() and not self._gave_up(lk, GIVE_UP_S):
-                return Pending("remote")
-            names = lk.probe.result() if lk.probe.done() else [None] * len(lk.probe_at)
+                return Pending("locating")
+            names, sources = lk.probe.result() if lk.probe.done() else ([None] * len(lk.probe_at), {})
             for i, name in zip(lk.probe_at, names, strict=True):
                 lk.where[i] = name
+            lk.sources.update(sources)
             lk.probe = None
             self._cut(lk)
         if lk.phase is Phase.FOUND:
@@ -403,27 +436,41 @@ class Catalog:
             return Miss()
         return Hit(first, len(slots), slots, dict(lk.tiers))
 
-    def _find(self, lk: Lookup, first: int, probe: bool) -> None:
-        """Where each chunk from ``first`` is: memory and the local tiers asked per key now; for the
-        chunks they lack, the remote tiers' answer in ``lk.probe`` (the check made ahead if it is
-        fresh and covers them, else one batched check on an I/O thread). ``probe=False``: the
-        remote tier is assumed to hold them (a read that misses costs what the check would)."""
+    def _find(self, lk: Lookup, first: int, probe: bool, *, sources: bool = True) -> None:
+        """Where each chunk from ``first`` is, from what memory and the tiers know without a system
+        call (the memory tier asked once for all); what needs more is asked on an I/O thread in
+        ``lk.probe``: the chunks that were not found (a file another process wrote, the remote
+        tiers: the check made ahead if it is fresh and covers them), and where each read below
+        memory would come from (``sources``, when :meth:`_sources_needed`). ``probe=False``: the
+        remote tier is assumed to hold the gaps (a read that misses costs what the check would).
+        Without a remote tier and nothing to ask of the found chunks, a gap is a miss at once and
+        the local tiers are asked in the background for the next lookup."""
         lk.first = first
         lk.where = self.locate_local(lk.lks[first:], lk.tenant)
+        keys = lk.lks[first:]
         gaps = [i for i, w in enumerate(lk.where) if w is None]
         ahead, lk.ahead = lk.ahead, None  # used once
-        if not gaps or not self.has_remote:
-            return
-        if not probe:
+        if gaps and self.has_remote and not probe:
             remote = self._remote_tiers()[0][0]
             for i in gaps:
                 lk.where[i] = remote
+            gaps = []
+        held = []
+        if sources and self._sources_needed():
+            held = [(keys[i], w) for i, w in enumerate(lk.where) if w in self._local_names()]
+        ask_remote = bool(gaps) and self.has_remote
+        if not held and not ask_remote:
+            if gaps and self._local_tiers():
+                missing = [keys[i] for i in gaps]
+                self._promoter.submit(lambda: self.in_slow_many(missing, lk.tenant, remote=False))
             return
         lk.probe_at = gaps
-        lk.probe = ahead.answer_for([first + i for i in gaps]) if ahead else None
+        lk.probe = None
+        if ahead is not None and (ask_remote or not gaps):
+            lk.probe = ahead.answer_for([first + i for i in gaps], [k for k, _ in held])
         lk.ahead_used = lk.probe is not None
         if lk.probe is None:
-            lk.probe = self.probe_remote([lk.lks[first + i] for i in gaps], lk.tenant)
+            lk.probe = self.probe([keys[i] for i in gaps], held, lk.tenant, remote=ask_remote)
 
     def _cut(self, lk: Lookup) -> None:
         """The hit ends at the first gap, then where loading stops paying (see LoadCosts.plan); its
@@ -434,9 +481,11 @@ class Catalog:
         where = lk.where[:found]
         n = found
         if found and any(w != MEMORY for w in where):
+            # Where each read comes from was asked off this thread (_find's probe); a tier's name
+            # where it was not asked.
+            known = lk.sources
             sources = [
-                MEMORY if w == MEMORY else self.read_source(k, w or "", lk.tenant)
-                for k, w in zip(keys, where, strict=True)
+                MEMORY if w == MEMORY else known.get(k, w or "") for k, w in zip(keys, where, strict=True)
             ]
             lk.sources = {k: s for k, s in zip(keys, sources, strict=True) if s != MEMORY}
             plan = self.costs.plan(sources)
@@ -568,28 +617,71 @@ class Catalog:
         slower tier's copy does not count, as for a chunk a hit left to recompute, which then goes
         into memory) or NO_ROOM (counted). A chunk already in memory that a slower tier may lack
         is queued for it again. Never blocks."""
-        slot = self.memory.pin([lk])
-        if slot:
-            if self.tiers and self._cascade.needed(lk, tenant):
-                self._cascade.submit(lk, slot[0], tenant)
-            else:
-                self.memory.unpin(slot)
-            return HELD
-        if not rewrite and self._held_below(lk, tenant):
-            return HELD
+        got = self.begin_stores([lk], tenant, rewrite=(lk,) if rewrite else ())[0]
+        if got != NO_ROOM or not private or not self.tiers:
+            return got
         with self._storing_lock:
-            if lk in self._storing:
-                return HELD
-            got = self.memory.reserve() if self.pools else None
-            if got is not None:
-                self._storing.add(lk)
-                return got
-        if private and self.tiers:
-            with self._storing_lock:
-                if self._spare:
-                    return self._spare.pop()
-            return mmap.mmap(-1, self.record_bytes)
-        return NO_ROOM
+            if self._spare:
+                return self._spare.pop()
+        return mmap.mmap(-1, self.record_bytes)
+
+    def begin_stores(
+        self, lks: Sequence[bytes], tenant: str = SHARED, *, rewrite: Container[bytes] = ()
+    ) -> list[StoreTarget | str]:
+        """:meth:`begin_store` of each of ``lks`` (``rewrite``: the keys to store even where a slower
+        tier holds them), asking the memory tier twice for all of them (which are resident, then
+        the slots for the others) instead of for each: the host pool's questions are round trips.
+        Private records are never handed out. Never blocks."""
+        out: list[StoreTarget | str | None] = [None] * len(lks)
+        resident = self.memory.pin_each(lks) if lks else {}
+        release: list[int] = []
+        for i, slot in resident.items():
+            out[i] = HELD
+            if self.tiers and self._cascade.needed(lks[i], tenant):
+                self._cascade.submit(lks[i], slot, tenant)
+            else:
+                release.append(slot)
+        self.memory.unpin(release)
+        todo = [
+            i
+            for i, lk in enumerate(lks)
+            if out[i] is None and (lk in rewrite or not self._held_below(lk, tenant))
+        ]
+        with self._storing_lock:
+            mine = [i for i in todo if lks[i] not in self._storing]
+            self._storing.update(lks[i] for i in mine)
+        slots = self.memory.reserve_many(len(mine)) if self.pools and mine else []
+        for i, slot in zip(mine, slots, strict=False):
+            out[i] = slot
+        with self._storing_lock:
+            for i in mine[len(slots) :]:
+                self._storing.discard(lks[i])
+                out[i] = NO_ROOM
+        return [HELD if o is None else o for o in out]
+
+    def finish_stores(self, done: Sequence[tuple[bytes, int, bool, str]]) -> list[bool]:
+        """:meth:`finish_store` of each ``(lk, slot, ok, tenant)`` a :meth:`begin_stores` handed out,
+        committed with one question to the memory tier."""
+        out = [False] * len(done)
+        commits: list[tuple[int, int, bool]] = []  # (index in done, slot, cascade)
+        with self._storing_lock:
+            for lk, _, _, _ in done:
+                self._storing.discard(lk)
+        for i, (lk, slot, ok, tenant) in enumerate(done):
+            if not ok:
+                self.memory.abort(slot)
+            else:
+                commits.append((i, slot, bool(self.tiers) and self._cascade.needed(lk, tenant)))
+        got = self.memory.commit_many([(slot, done[i][0], keep) for i, slot, keep in commits])
+        for (i, slot, cascade), ok in zip(commits, got, strict=True):
+            if not ok:
+                continue
+            out[i] = True
+            self.memory.counters.add("writes")
+            self.memory.counters.add("bytes_written", self.payload_bytes)
+            if cascade:
+                self._cascade.submit(done[i][0], slot, done[i][3])
+        return out
 
     def _held_below(self, lk: bytes, tenant: str) -> bool:
         """A slower tier holds ``lk`` for every rank: a local one by its index, a remote one as far
@@ -608,19 +700,7 @@ class Catalog:
         ``lk`` first, or if the memory tier was reset since :meth:`begin_store`."""
         if isinstance(target, mmap.mmap):
             return ok and self._cascade.submit(lk, target, tenant)
-        with self._storing_lock:
-            self._storing.discard(lk)
-        if not ok:
-            self.memory.abort(target)
-            return False
-        cascade = bool(self.tiers) and self._cascade.needed(lk, tenant)
-        if not self.memory.commit(target, lk, keep_pin=cascade):
-            return False
-        self.memory.counters.add("writes")
-        self.memory.counters.add("bytes_written", self.payload_bytes)
-        if cascade:
-            self._cascade.submit(lk, target, tenant)
-        return True
+        return self.finish_stores([(lk, target, ok, tenant)])[0]
 
     # -- for a caller that holds the bytes in this process (see engine/local.py) --------------
 

@@ -13,7 +13,15 @@ the last few samples):
   ``valkey``), from the promotions of real hits: bytes over the span from the first read's start
   to the last chunk's check;
 * **prefill rate** (tokens per second), from the engine's steps that computed at least a chunk of
-  tokens.
+  tokens;
+* **step floor** (seconds), what a step costs however few tokens it computes (on a GPU, reading the
+  weights once): the median time of the small steps whose tokens, at the prefill rate, take at most
+  half of it. A step of ``n`` tokens then takes ``max(floor, n / prefill rate)``, so the tail of a
+  prompt (the last partial block vLLM's own cache leaves) saves nothing when it is loaded;
+* **copy cost** of a load into the engine, from the copies' own time (CUDA events on a GPU): the
+  line through the recent loads' (bytes, seconds), a fixed part (the launch, the staging, the
+  partial-block copies) plus the bytes at a rate. A hit whose load would cost more than the compute
+  it saves is recomputed whole.
 
 Every estimate is kept per model and device in a small file beside the chunks and the pool
 (:class:`RateMemo`), so a restarted engine decides its first hits with what the last one learned.
@@ -58,6 +66,8 @@ LOAD_MARGIN = 0.9
 MIN_PREFILL_TOKENS = 256
 # Where the write rate stands in for an unmeasured read rate, it counts this many readers at once.
 WRITE_PRIOR_READERS = 8
+# A small step is at the step floor when its tokens at the prefill rate take at most this share of it.
+FLOOR_SHARE = 0.5
 
 
 class Rate:
@@ -101,6 +111,20 @@ class Plan:
         return self.found - self.load
 
 
+class Samples:
+    """The last SAMPLES observations of a pair (units, seconds)."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=SAMPLES)
+
+    def add(self, units: float, seconds: float) -> None:
+        if units >= 0 and seconds > 0:
+            self._samples.append((units, seconds))
+
+    def all(self) -> list[tuple[float, float]]:
+        return list(self._samples)
+
+
 class LoadCosts:
     def __init__(self, chunk_tokens: int, chunk_bytes: int, *, enabled: bool = True) -> None:
         """``chunk_tokens`` tokens per chunk; ``chunk_bytes``: the bytes a load of one chunk reads
@@ -112,6 +136,9 @@ class LoadCosts:
         self._reads: dict[str, Rate] = {}
         self._writes: dict[str, Rate] = {}
         self._prefill = Rate()
+        self._small_steps = Samples()  # (tokens, seconds) of steps below MIN_PREFILL_TOKENS
+        self._copies = Samples()  # (bytes, seconds) of loads into the engine, one rank's
+        self._copy_kept: tuple[float, float] | None = None  # (rate, fixed) from before this process
 
     # -- observations -------------------------------------------------------------------
 
@@ -144,15 +171,74 @@ class LoadCosts:
 
     def computed(self, tokens: int, seconds: float) -> None:
         """The engine computed a step of ``tokens`` tokens in ``seconds``."""
-        if tokens >= MIN_PREFILL_TOKENS:
-            with self._lock:
+        with self._lock:
+            if tokens >= MIN_PREFILL_TOKENS:
                 self._prefill.add(tokens, seconds)
+            elif tokens > 0:
+                self._small_steps.add(tokens, seconds)
+
+    def copied(self, nbytes: int, seconds: float) -> None:
+        """A load copied ``nbytes`` (one rank's) into the engine in ``seconds`` (the copies' own time)."""
+        with self._lock:
+            self._copies.add(nbytes, seconds)
 
     # -- estimates ----------------------------------------------------------------------
 
     def prefill_rate(self) -> float | None:
         with self._lock:
             return self._prefill.value()
+
+    def step_floor(self) -> float | None:
+        """Seconds a step takes however few tokens it computes, or None until measured (see the
+        module's docstring)."""
+        with self._lock:
+            rate = self._prefill.value()
+            small = self._small_steps.all()
+        if rate is None:
+            return None
+        floor = [s for n, s in small if n / rate <= FLOOR_SHARE * s]
+        return statistics.median(floor) if floor else None
+
+    def step_seconds(self, tokens: int) -> float | None:
+        """What a step of ``tokens`` tokens costs the engine, or None until the prefill rate is known."""
+        rate = self.prefill_rate()
+        if rate is None:
+            return None
+        return max(self.step_floor() or 0.0, tokens / rate)
+
+    def copy_cost(self, nbytes: int) -> float | None:
+        """Seconds a load of ``nbytes`` (one rank's) into the engine takes: a fixed part plus the
+        bytes at the best rate seen; None until a load was measured."""
+        got = self._copy_model()
+        if got is None:
+            return None
+        rate, fixed = got
+        return fixed + nbytes / rate
+
+    def _copy_model(self) -> tuple[float, float] | None:
+        """(rate in bytes/s, fixed seconds) of a load into the engine, or None until measured."""
+        with self._lock:
+            copies, kept = self._copies.all(), self._copy_kept
+        copies = [(b, s) for b, s in copies if b > 0]
+        if not copies:
+            return kept
+        if len({b for b, _ in copies}) > 1:  # loads of several sizes: the line through them
+            slope, fixed = statistics.linear_regression([b for b, _ in copies], [s for _, s in copies])
+            if slope > 0:
+                return 1 / slope, max(0.0, fixed)
+        return max(b / s for b, s in copies), 0.0  # one size: its time, all of it per byte
+
+    def worth_loading(self, tokens: int, rest: int, nbytes: int) -> bool:
+        """Whether loading ``tokens`` tokens (``nbytes`` of chunks, one rank's, to copy) beats
+        computing them, when the engine computes ``rest`` more tokens of the prompt either way.
+        True when cost-aware loading is off or the prefill rate is not known yet."""
+        if not self.enabled:
+            return True
+        with_them, without = self.step_seconds(rest + tokens), self.step_seconds(rest)
+        if with_them is None or without is None:
+            return True
+        saved = with_them - without
+        return saved > 0 and (self.copy_cost(nbytes) or 0.0) <= LOAD_MARGIN * saved
 
     def read_rate(self, source: str) -> float | None:
         """The measured read rate of ``source`` (bytes/s), else what its writes bound it to when they
@@ -174,6 +260,14 @@ class LoadCosts:
             p = self._prefill.value()
             if p is not None:
                 out["prefill"] = p
+        floor = self.step_floor()
+        if floor is not None:
+            out["floor"] = floor
+        copy = self._copy_model()
+        if copy is not None:
+            # A kept estimate must be positive (RateMemo drops the others): a fixed part of 0 is 1 ns.
+            out["copy"], out["copy_fixed"] = copy[0], max(1e-9, copy[1])
+        with self._lock:
             for kind, rates in (("read", self._reads), ("write", self._writes)):
                 for name, r in rates.items():
                     v = r.value()
@@ -192,13 +286,24 @@ class LoadCosts:
                 elif kind in ("read", "write") and what:
                     rates = self._reads if kind == "read" else self._writes
                     rates.setdefault(what, Rate(SAMPLE_TTL_S)).seed(v)
+                elif kind == "floor":
+                    self._small_steps.add(0, v)  # no tokens: at the floor whatever the rate
+            if kept.get("copy", 0) > 0 and kept.get("copy_fixed", 0) > 0:
+                self._copy_kept = (kept["copy"], kept["copy_fixed"])
 
     def snapshot(self) -> dict[str, float]:
-        """The current estimates, for stats: ``prefill_tokens_per_s`` and ``<source>_read_bytes_per_s``."""
+        """The current estimates, for stats: ``prefill_tokens_per_s``, ``step_floor_ms``,
+        ``copy_bytes_per_s``, ``copy_fixed_ms`` and ``<source>_read_bytes_per_s``."""
         out: dict[str, float] = {}
         p = self.prefill_rate()
         if p is not None:
             out["prefill_tokens_per_s"] = round(p, 1)
+        floor = self.step_floor()
+        if floor is not None:
+            out["step_floor_ms"] = round(floor * 1e3, 3)
+        copy = self._copy_model()
+        if copy is not None:
+            out["copy_bytes_per_s"], out["copy_fixed_ms"] = round(copy[0]), round(copy[1] * 1e3, 3)
         with self._lock:
             sources = list(self._reads)
         for s in sources:
@@ -295,7 +400,7 @@ class RateMemo:
         self._saved = dict(rates)
         for path in self.paths:
             table = self._read(path)
-            table[self.key] = {k: round(v, 1) for k, v in rates.items()}
+            table[self.key] = {k: float(f"{v:.6g}") for k, v in rates.items()}  # seconds stay > 0
             tmp = f"{path}.{os.getpid()}.tmp"
             try:
                 with open(tmp, "w") as f:

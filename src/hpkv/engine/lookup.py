@@ -36,7 +36,7 @@ AHEAD_FRESH_S = 2.0
 
 class Phase(enum.Enum):
     NEW = "new"  # keys known; nothing asked yet
-    LOCATING = "locating"  # memory and local tiers asked; the remote tiers' answer is awaited
+    LOCATING = "locating"  # memory and the tiers' indexes asked; the probe's answer is awaited
     FOUND = "found"  # the hit is cut and protected; its promotions have not started (room)
     STAGING = "staging"  # the hit's chunks below memory are being promoted
     STREAMING = "streaming"  # answered; chunks are handed out as each reaches memory
@@ -66,8 +66,9 @@ class Miss:
 
 @dataclass(frozen=True)
 class Pending:
-    """Tier I/O still runs; ask again. ``why``: "remote" (existence check), "room" (pool slots
-    others hold for a while), "promotions"."""
+    """Tier I/O still runs; ask again. ``why``: "locating" (what the tiers below memory hold and
+    where each read would come from, asked on an I/O thread), "room" (pool slots others hold for a
+    while), "promotions"."""
 
     why: str
 
@@ -100,40 +101,47 @@ class Arrivals:
     waiting: int = 0
 
 
-Names = list[str | None]  # per chunk asked: the remote tier that holds it, or None
+Names = list[str | None]  # per chunk asked: the tier below memory that holds it, or None
+# A probe's answer: Names for the chunks asked, and where each read below memory would come from
+# (chunk key -> source, see ``Tier.source``).
+Located = tuple[Names, dict[bytes, str]]
 
 
 @dataclass
 class Ahead:
-    """The remote tiers' existence check made when the request was queued, for the chunks at
-    ``chunks`` (indexes into the prompt's chunks)."""
+    """The probe made when the request was queued (see ``Catalog.look_ahead``): the remote tiers'
+    existence check for the chunks at ``chunks`` (indexes into the prompt's chunks), and where
+    each read of a chunk held below memory would come from."""
 
-    answer: Future[Names]
+    answer: Future[Located]
     chunks: list[int]
     since: float = field(default_factory=time.monotonic)
 
-    def answer_for(self, chunks: list[int]) -> Future[Names] | None:
-        """The answer for ``chunks``, if this check asked about all of them and is recent."""
+    def answer_for(self, chunks: list[int], held: list[bytes]) -> Future[Located] | None:
+        """The answer for the gaps ``chunks`` and the sources of ``held`` (chunk keys), if this
+        check asked about all of them and is recent."""
         if time.monotonic() - self.since > AHEAD_FRESH_S:
             return None
         at = {c: j for j, c in enumerate(self.chunks)}
         if any(c not in at for c in chunks):  # a chunk left the local tiers since
             return None
+        if held and not (self.answer.done() and set(held) <= self.answer.result()[1].keys()):
+            return None  # a chunk reached a local tier since (or the answer is not in to tell)
 
-        def pick(f: Future[Names]) -> Names:
-            names = f.result()
-            return [names[at[c]] for c in chunks]
+        def pick(f: Future[Located]) -> Located:
+            names, sources = f.result()
+            return [names[at[c]] for c in chunks], sources
 
-        out: Future[Names] = Future()
+        out: Future[Located] = Future()
         if self.answer.done():
             out.set_result(pick(self.answer))
             return out
 
-        def settle(f: Future[Names]) -> None:
+        def settle(f: Future[Located]) -> None:
             try:
                 out.set_result(pick(f))
             except Exception:  # cancelled or failed: absent, as a failed check answers
-                out.set_result([None] * len(chunks))
+                out.set_result(([None] * len(chunks), {}))
 
         self.answer.add_done_callback(settle)
         return out
@@ -148,7 +156,7 @@ class Lookup:
     phase: Phase = Phase.NEW
     first: int = 0  # the chunk the lookup looked from
     where: list[str | None] = field(default_factory=list)  # per chunk from ``first``: its tier
-    probe: Future[Names] | None = None  # the remote tiers' answer for the local gaps
+    probe: Future[Located] | None = None  # the answer asked off the engine's thread (Catalog._find)
     probe_at: list[int] = field(default_factory=list)
     ahead: Ahead | None = None
     ahead_used: bool = False  # the first ask used the check made ahead

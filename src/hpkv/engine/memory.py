@@ -46,7 +46,9 @@ class Slots(Protocol):
     def unprotect(self, lks: Iterable[bytes]) -> None: ...
     def room(self) -> int: ...
     def reserve(self) -> int | None: ...
+    def reserve_many(self, n: int) -> list[int]: ...
     def commit(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool: ...
+    def commit_many(self, items: Sequence[tuple[int, bytes, bool]]) -> list[bool]: ...
     def abort(self, slot: int) -> None: ...
     def drop(self, lk: bytes) -> None: ...
     def reset(self) -> None: ...
@@ -154,6 +156,18 @@ class MemorySlots:
             return None
         return got[0]
 
+    def reserve_many(self, n: int) -> list[int]:
+        """Up to ``n`` reserved slots (see :meth:`reserve`), as many as there are; one question for
+        all (the host pool's is a round trip)."""
+        got: list[int] = []
+        while len(got) < n:
+            slot = self.reserve()
+            if slot is None:
+                self.counters.add("writes_skipped", n - len(got) - 1)
+                break
+            got.append(slot)
+        return got
+
     def commit(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool:
         """Make ``slot`` visible as ``lk``; False (the slot freed) if the memory tier was reset
         since the slot was reserved or another writer committed ``lk`` first."""
@@ -162,6 +176,10 @@ class MemorySlots:
                 self._index.abort(slot)
                 return False
             return self._index.commit(slot, lk, keep_pin=keep_pin)
+
+    def commit_many(self, items: Sequence[tuple[int, bytes, bool]]) -> list[bool]:
+        """:meth:`commit` of each ``(slot, lk, keep_pin)``, in one question."""
+        return [self.commit(slot, lk, keep_pin=keep) for slot, lk, keep in items]
 
     def abort(self, slot: int) -> None:
         """Give back a reserved slot that was never committed."""

@@ -1,9 +1,12 @@
 """Counters readable from outside the engine: a small JSON file per engine, rewritten atomically.
 
-``hpkv stats`` and the Prometheus collector read these files; the scheduler
-process rewrites its file (write + rename, a few hundred bytes) after each
-step that changed a counter, so a client that got its response can read
-counters that already include its request.
+``hpkv stats`` and the Prometheus collector read these files. A thread of the
+engine's process (:class:`Refresher`) rewrites its file (write + rename, a few
+hundred bytes) within REFRESH_S of a change while the engine is idle, never the
+engine's own thread: gathering every tier's counters and writing a file per step
+cost each request time on the engine's critical path. A client that got its
+response reads counters that include its request once the file's ``time`` is
+later than the response and nothing is ``pending``.
 JSON only: nothing read back can execute code.
 """
 

@@ -69,6 +69,9 @@ class HpkvWorkerMeta(KVConnectorWorkerMetadata):
     results: dict[int, tuple[int, int]] = field(default_factory=dict)
     attached: int = 0
     computed: bool = False
+    # (bytes, seconds) of each rank's synchronous loads since the last report, the copies' own time:
+    # what a load costs the engine (engine/costs.py).
+    copies: list[tuple[int, float]] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, HpkvWorkerMeta):
@@ -77,4 +80,9 @@ class HpkvWorkerMeta(KVConnectorWorkerMetadata):
         for op, (ok, bad) in other.results.items():
             a, b = merged.get(op, (0, 0))
             merged[op] = (a + ok, b + bad)
-        return HpkvWorkerMeta(merged, self.attached + other.attached, self.computed or other.computed)
+        return HpkvWorkerMeta(
+            merged,
+            self.attached + other.attached,
+            self.computed or other.computed,
+            self.copies + other.copies,
+        )

@@ -103,7 +103,9 @@ class HpkvScheduler:
             "lookups_waited_alone": 0,  # waits of a lookup for its tier I/O with nothing else to run
             "async_loads": 0,  # hits answered as vLLM's async load (HPKV_ASYNC_LOAD)
             "lookups_cut_by_cost": 0,  # hits loaded only in part: the rest was faster to recompute
-            "chunks_left_to_recompute": 0,  # the chunks those hits left out
+            "chunks_left_to_recompute": 0,  # the chunks those hits and the skipped loads left out
+            "loads_skipped_by_cost": 0,  # hits recomputed whole: loading would cost more than it saves
+            "lookups_not_worth_a_load": 0,  # not even a whole hit would save what its load costs
         }
         self.costs = self.catalog.costs
         self._memo = RateMemo(
@@ -156,9 +158,9 @@ class HpkvScheduler:
         return st
 
     def on_new_request(self, request: Request) -> None:
-        """vLLM queued the request: ask the remote tiers now about the chunks the local ones lack,
-        so the first lookup can use the answer (see Catalog.look_ahead)."""
-        if not self.load_enabled or not self.catalog.has_remote:
+        """vLLM queued the request: ask now, on an I/O thread, what its first lookup would ask there,
+        so the lookup can use the answer (see Catalog.look_ahead)."""
+        if not self.load_enabled:
             return
         self.catalog.look_ahead(self._state(request).lookup)
 
@@ -193,6 +195,17 @@ class HpkvScheduler:
             return 0, False
         C = self.chunk_size
         first = num_computed // C
+        # What the engine's own prefix cache holds was computed, and offered to hpkv, before.
+        st.next_store = max(st.next_store, first)
+        if lk.phase is Phase.NEW:
+            # Even a hit of every chunk from here would not pay for its load (the prompt's last
+            # partial block after vLLM's own hit, the commonest): no lookup, no tier asked.
+            end = min(len(lk.lks) * C, st.prompt_len - 1)
+            if end <= num_computed or not self.costs.worth_loading(
+                end - num_computed, st.prompt_len - end, (-(-end // C) - first) * self.catalog.payload_bytes
+            ):
+                self._counters["lookups_not_worth_a_load"] += 1
+                return 0, False
         busy = self._busy()
         was = (lk.phase, lk.waits, lk.waited_for_room)
         answer = self.catalog.lookup(
@@ -217,12 +230,28 @@ class HpkvScheduler:
             return 0, False
         hit = min(hit, st.prompt_len - 1)  # the engine must compute at least one token
         needed = -(-hit // C) - first
+        if not self._worth_loading(st, num_computed, hit, needed):
+            self.catalog.finish_load(slots)
+            return 0, False
         self.catalog.finish_load(slots[needed:])
         st.lease, st.lease_first = slots[:needed], first
         st.to(LoadPhase.LEASED)
         st.load_start, st.load_tokens = num_computed, hit - num_computed
         self._counters["lookup_hit_tokens"] += st.load_tokens
         return st.load_tokens, False
+
+    def _worth_loading(self, st: ReqState, num_computed: int, end: int, chunks: int) -> bool:
+        """Whether loading tokens ``num_computed`` to ``end`` (``chunks`` whole chunks to copy)
+        beats computing them, counting the load's own cost (:meth:`LoadCosts.worth_loading`): the
+        prompt's last partial block, which vLLM's own cache leaves, is recomputed where a step costs
+        the same with or without it. A load not worth it is counted and its chunks left to the engine."""
+        tokens = end - num_computed
+        nbytes = chunks * self.catalog.payload_bytes
+        if self.costs.worth_loading(tokens, st.prompt_len - end, nbytes):
+            return True
+        self._counters["loads_skipped_by_cost"] += 1
+        self._counters["chunks_left_to_recompute"] += chunks
+        return False
 
     def _hit_end(self, st: ReqState, chunks: int) -> int:
         """Where a hit of ``chunks`` chunks from the lookup's first ends, in tokens (the engine
@@ -329,7 +358,6 @@ class HpkvScheduler:
             part = self._async_part(req_id, st)
             if part is not None:
                 meta.loads.append(part)
-        self.stats_file.write(self.stats)
         self.trace.step(so, meta)
         return meta
 
@@ -406,14 +434,16 @@ class HpkvScheduler:
         if not self.store_enabled or not st.lks:
             return
         limit = min(computed_after, st.prompt_len, len(st.lks) * C) // C
-        while st.next_store < limit:
-            j = st.next_store
-            st.next_store += 1
+        if st.next_store >= limit:
+            return
+        first, st.next_store = st.next_store, limit
+        # A chunk a slower tier holds is not written again, unless the hit left it to the engine as
+        # slower to read than to compute: the engine's KV of it then goes into memory, so the next
+        # hit loads it from there (the write-behind finds storage holding it). One batch per
+        # request and step: the memory tier is asked twice, not twice per chunk.
+        targets = self.catalog.begin_stores(st.lks[first:limit], st.tenant, rewrite=st.lookup.left_out)
+        for j, reserved in enumerate(targets, start=first):
             lk = st.lks[j]
-            # A chunk a slower tier holds is not written again, unless the hit left it to the
-            # engine as slower to read than to compute: the engine's KV of it then goes into
-            # memory, so the next hit loads it from there (the write-behind finds storage holding it).
-            reserved = self.catalog.begin_store(lk, st.tenant, rewrite=lk in st.lookup.left_out)
             if reserved == NO_ROOM:
                 self._counters["stores_skipped_pool_full"] += 1
                 self._pool_full.skipped(req_id)
@@ -441,12 +471,15 @@ class HpkvScheduler:
             return
         self.catalog.step_done(wm.computed)
         self._step_reported(wm.computed)
+        for nbytes, seconds in wm.copies:
+            self.costs.copied(nbytes, seconds)
         if wm.attached:
             self._attached += wm.attached
             if self._attached >= self.world_size:
                 # Every rank has mapped its pool: the names are no longer needed, and without
                 # them no way of ending (SIGKILL included) can leave a pool file holding RAM.
                 self.catalog.unlink_pool_files()
+        stores: list[Op] = []
         for op_id, (ok, bad) in wm.results.items():
             op = self._ops.get(op_id)
             if op is None:
@@ -457,10 +490,7 @@ class HpkvScheduler:
                 continue
             del self._ops[op_id]
             if op.kind == "store":
-                if self.catalog.finish_store(op.lk, op.slots[0], not op.failed, op.tenant):
-                    self._counters["stored_tokens"] += op.tokens
-                elif op.failed:
-                    self._counters["store_failures"] += 1
+                stores.append(op)
             else:
                 st = self._reqs.get(op.req_id)
                 if st is not None and st.async_op == op_id:
@@ -474,7 +504,13 @@ class HpkvScheduler:
                     nbytes = len(op.slots) * self.catalog.payload_bytes * self.world_size
                     self.catalog.finish_load(op.slots, loaded=len(op.slots), nbytes=nbytes)
                     self._counters["loaded_tokens"] += op.tokens
-        self.stats_file.write(self.stats)
+        # The step's stores made visible together: one question to the memory tier, not one per chunk.
+        done = self.catalog.finish_stores([(op.lk, op.slots[0], not op.failed, op.tenant) for op in stores])
+        for op, visible in zip(stores, done, strict=True):
+            if visible:
+                self._counters["stored_tokens"] += op.tokens
+            elif op.failed:
+                self._counters["store_failures"] += 1
 
     def _step_reported(self, computed: bool | None) -> None:
         """A step's output is back: a computing one is a sample of the engine's prefill rate."""
@@ -505,7 +541,6 @@ class HpkvScheduler:
                     self.catalog.release(st.lookup)
             else:
                 self._end_async(st)
-        self.stats_file.write(self.stats)
         return delay
 
     def reset_cache(self) -> bool:

@@ -83,6 +83,8 @@ class HpkvWorker:
         self._results: dict[int, tuple[int, int]] = {}
         self._load_errors: set[int] = set()
         self._unlogged: list[tuple[LoadRequest, int]] = []  # CUDA loads whose copies are in flight
+        self._copying = 0  # bytes of the synchronous loads in flight (CUDA), timed when they land
+        self._copies: list[tuple[int, float]] = []  # (bytes, seconds) of synchronous loads to report
         self._async: dict[int, _AsyncLoad] = {}  # op id -> async load not yet reported received
         self._announce = False  # mapped the pool since the last report
         self._start_pool = start_pool if config is not None and config.mem_pool_size > 0 else None
@@ -193,12 +195,17 @@ class HpkvWorker:
         if not logs:
             return
         self.mover.load(items)
-        if self.rank != 0:
-            return
-        if self.mover.cuda:  # enqueued only: logged when the copies are done (take_results)
-            self._unlogged.extend(logs)
+        nbytes = len(items) * self.payload_bytes
+        if self.mover.cuda:  # enqueued only: timed and logged when the copies are done (take_results)
+            self._copying += nbytes
+            if self.rank == 0:
+                self._unlogged.extend(logs)
             return
         dt = time.perf_counter() - t0  # CPU: the copies are done on return
+        if items:
+            self._copies.append((nbytes, dt))
+        if self.rank != 0:
+            return
         for req, loaded in logs:
             self._log_load(req, loaded, dt if len(logs) == 1 else dt / len(logs))
 
@@ -378,12 +385,15 @@ class HpkvWorker:
         if self.mover is not None:
             took = self.mover.finish_loads()  # a load is done only once its copies landed
             logs, self._unlogged = self._unlogged, []
+            if took is not None and self._copying:
+                self._copies.append((self._copying, took))
+            self._copying = 0
             if took is not None:
                 for req, loaded in logs:
                     self._log_load(req, loaded, took if len(logs) == 1 else took / len(logs))
         with self._lock:  # a report every step, empty or not (see HpkvWorkerMeta)
-            out = HpkvWorkerMeta(self._results, int(self._announce), self._computes)
-            self._results = {}
+            out = HpkvWorkerMeta(self._results, int(self._announce), self._computes, self._copies)
+            self._results, self._copies = {}, []
             self._announce = False
         return out
 

@@ -276,8 +276,10 @@ class StorageTier:
     # -- writes -------------------------------------------------------------
 
     def held(self, key: bytes, tenant: str = SHARED_TENANT) -> bool:
-        """:meth:`contains` (a local lookup; the tier protocol's no-wait question)."""
-        return self.contains(key)
+        """Whether this process knows a file for ``key`` (its index: no system call, for the engine's
+        own thread); :meth:`contains` also finds one another process wrote since."""
+        with self._lock:
+            return key in self._index
 
     def source(self, key: bytes, tenant: str = SHARED_TENANT) -> str:
         """``storage`` when ``key``'s file is whole in the page cache (read at memory speed), else

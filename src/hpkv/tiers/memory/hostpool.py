@@ -337,15 +337,15 @@ class HostPool:
             if slot is not None:
                 lease.reserved.add(slot)
             out = {"slot": slot, "evicted": m.counters.snapshot()["evictions"] > before}
+        elif op == "reserve_many":
+            before = m.counters.snapshot()["evictions"]
+            fresh = m.reserve_many(int(req["n"]))
+            lease.reserved.update(fresh)
+            out = {"slots": fresh, "evicted": m.counters.snapshot()["evictions"] - before}
         elif op == "commit":
-            slot = int(req["slot"])
-            if slot not in lease.reserved:
-                raise ValueError(f"commit of slot {slot} it did not reserve")
-            lease.reserved.discard(slot)
-            ok = m.commit(slot, bytes.fromhex(req["key"]), keep_pin=bool(req["keep_pin"]))
-            if ok and req["keep_pin"]:
-                lease.pins[slot] += 1
-            out = {"ok": ok}
+            out = {"ok": self._commit(lease, int(req["slot"]), req["key"], bool(req["keep_pin"]))}
+        elif op == "commit_many":
+            out = {"ok": [self._commit(lease, int(s), k, bool(keep)) for s, k, keep in req["items"]]}
         elif op == "abort":
             slot = int(req["slot"])
             if slot in lease.reserved:
@@ -375,6 +375,17 @@ class HostPool:
             raise ValueError(f"unknown op {op!r}")
         out["pinned"] = m.pinned()
         return out
+
+    @staticmethod
+    def _commit(lease: Lease, slot: int, key: str, keep_pin: bool) -> bool:
+        if slot not in lease.reserved:
+            raise ValueError(f"commit of slot {slot} it did not reserve")
+        assert lease.group is not None
+        lease.reserved.discard(slot)
+        ok = lease.group.slots.commit(slot, bytes.fromhex(key), keep_pin=keep_pin)
+        if ok and keep_pin:
+            lease.pins[slot] += 1
+        return ok
 
     @staticmethod
     def _take(held: Counter[Any], item: Any) -> bool:

@@ -285,9 +285,26 @@ class HostSlots:
             self.counters.add("evictions")
         return int(slot)
 
+    def reserve_many(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        r = self._ask({"op": "reserve_many", "n": n})
+        got = [int(s) for s in r["slots"]] if r else []
+        if len(got) < n:
+            self.counters.add("writes_skipped", n - len(got))
+        if r and r["evicted"]:
+            self.counters.add("evictions", int(r["evicted"]))
+        return got
+
     def commit(self, slot: int, lk: bytes, *, keep_pin: bool) -> bool:
         r = self._ask({"op": "commit", "slot": slot, "key": lk.hex(), "keep_pin": keep_pin})
         return bool(r and r["ok"])
+
+    def commit_many(self, items: Sequence[tuple[int, bytes, bool]]) -> list[bool]:
+        if not items:
+            return []
+        r = self._ask({"op": "commit_many", "items": [[s, lk.hex(), keep] for s, lk, keep in items]})
+        return [bool(x) for x in r["ok"]] if r else [False] * len(items)
 
     def abort(self, slot: int) -> None:
         self._ask({"op": "abort", "slot": slot})
