@@ -16,16 +16,21 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 [ "${HOME_PROBE:-1}" = 1 ] && timeout 90 python3 scripts/gpu/probe_copy.py 10 2>&1 | tail -14
 mkdir -p $OUT/trace
 export HPKV_STEP_TRACE=$OUT/trace
-python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="" --compare ${HOME_COMPARE:-hpkv,native,none} \
+# Interleaved: the three servers share the GPU (a third of its memory each), requests alternate.
+python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="--gpu-memory-utilization 0.28" \
+  --compare ${HOME_COMPARE:-hpkv,native,none} --interleave \
   --scenarios prefill,gpu,memory --prompt-kind random --prompts 12 --pool-size 8G ${HOME_ARGS:-} \
   --out $OUT/${HOME_NAME:-home} > $OUT/${HOME_NAME:-home}.log 2>&1 &
 B=$!
 if [ "${HOME_SPY:-0}" = 1 ]; then
   pip_spy=$(ls /root/whl/py_spy-*.whl 2>/dev/null | head -1)
   [ -x /root/py-spy ] || { [ -n "$pip_spy" ] && python3 -c "import zipfile,sys; z=zipfile.ZipFile(sys.argv[1]); n=[x for x in z.namelist() if x.endswith('/py-spy')][0]; open('/root/py-spy','wb').write(z.read(n))" "$pip_spy" && chmod +x /root/py-spy; }
-  until grep -aq "hpkv: gpu" $OUT/${HOME_NAME:-home}.log 2>/dev/null; do kill -0 $B 2>/dev/null || break; sleep 0.2; done
-  PID=$(pgrep -n -f EngineCore)
-  [ -n "$PID" ] && /root/py-spy record --pid $PID --threads --nonblocking --rate 1000 --duration 3 \
+  until grep -aq "hpkv gpu " $OUT/${HOME_NAME:-home}.log 2>/dev/null; do kill -0 $B 2>/dev/null || break; sleep 0.2; done
+  PID=""  # hpkv's engine: the EngineCore whose API server names HpkvConnectorV1
+  for p in $(pgrep -f EngineCore); do
+    grep -aq HpkvConnectorV1 /proc/$(ps -o ppid= -p $p | tr -d ' ')/cmdline 2>/dev/null && PID=$p
+  done
+  [ -n "$PID" ] && /root/py-spy record --pid $PID --threads --nonblocking --rate 1000 --duration 8 \
     --format raw --output $OUT/spy-gpu.txt > $OUT/spy.log 2>&1
 fi
 wait $B

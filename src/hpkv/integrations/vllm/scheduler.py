@@ -103,7 +103,7 @@ class HpkvScheduler:
             "lookups_waited_alone": 0,  # waits of a lookup for its tier I/O with nothing else to run
             "async_loads": 0,  # hits answered as vLLM's async load (HPKV_ASYNC_LOAD)
             "lookups_cut_by_cost": 0,  # hits loaded only in part: the rest was faster to recompute
-            "chunks_left_to_recompute": 0,  # the chunks those hits and the skipped loads left out
+            "chunks_left_to_recompute": 0,  # the chunks those hits left out
             "loads_skipped_by_cost": 0,  # hits recomputed whole: loading would cost more than it saves
             "lookups_not_worth_a_load": 0,  # not even a whole hit would save what its load costs
         }
@@ -244,13 +244,12 @@ class HpkvScheduler:
         """Whether loading tokens ``num_computed`` to ``end`` (``chunks`` whole chunks to copy)
         beats computing them, counting the load's own cost (:meth:`LoadCosts.worth_loading`): the
         prompt's last partial block, which vLLM's own cache leaves, is recomputed where a step costs
-        the same with or without it. A load not worth it is counted and its chunks left to the engine."""
+        the same with or without it. A load not worth it is counted (its chunks stay in memory)."""
         tokens = end - num_computed
         nbytes = chunks * self.catalog.payload_bytes
         if self.costs.worth_loading(tokens, st.prompt_len - end, nbytes):
             return True
         self._counters["loads_skipped_by_cost"] += 1
-        self._counters["chunks_left_to_recompute"] += chunks
         return False
 
     def _hit_end(self, st: ReqState, chunks: int) -> int:
