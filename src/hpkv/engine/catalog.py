@@ -418,6 +418,7 @@ class Catalog:
             if not lk.protected:
                 lk.to(Phase.READY)
             elif stream is not None and stream(len(need), len(lk.protected)):
+                self._guard(lk)  # its chunks are pinned as each is handed out, steps later
                 return self._stream(lk)
             else:
                 lk.staging = self._promoter.stage(need, lk.tenant, defer=defer)
@@ -495,7 +496,8 @@ class Catalog:
                 lk.why_left = plan.why
         lk.tiers = {t: where[:n].count(t) for t in [MEMORY, *self.tiers] if t in where[:n]}
         lk.protected, lk.chunks = keys[:n], n
-        self.memory.protect(lk.protected)
+        if any(w != MEMORY for w in where[:n]):  # a hit all in memory is pinned in this same call
+            self._guard(lk)
         if not lk.since:
             lk.since = time.monotonic()
         lk.to(Phase.FOUND)
@@ -591,10 +593,17 @@ class Catalog:
         if lk.phase is not Phase.DONE:
             lk.to(Phase.DONE)
 
+    def _guard(self, lk: Lookup) -> None:
+        """Keep the hit's chunks from eviction until they are pinned (one question to the memory
+        tier; a hit pinned in the call that found it needs none)."""
+        if lk.protected and not lk.guarded:
+            self.memory.protect(lk.protected)
+            lk.guarded = True
+
     def _unprotect(self, lk: Lookup) -> None:
-        if lk.protected:
+        if lk.protected and lk.guarded:
             self.memory.unprotect(lk.protected)
-            lk.protected = []
+        lk.protected, lk.guarded = [], False
 
     def start_deferred(self) -> int:
         """Start the promotions that lookups with ``defer`` staged; how many."""

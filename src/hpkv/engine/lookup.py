@@ -161,6 +161,7 @@ class Lookup:
     ahead: Ahead | None = None
     ahead_used: bool = False  # the first ask used the check made ahead
     protected: list[bytes] = field(default_factory=list)  # the hit's chunks, kept from eviction
+    guarded: bool = False  # whether the memory tier was asked to protect them
     tiers: dict[str, int] = field(default_factory=dict)
     since: float = 0.0  # when tier I/O for it began (time.monotonic; 0.0: none)
     waited_for_room: bool = False
