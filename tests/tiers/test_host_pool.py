@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from hpkv import HpkvConfig, KVStore
-from hpkv.tiers.memory.hostpool import SOCKET
 from hpkv.tiers.memory.hostslots import pool_status, stop_pool
+from hpkv.tiers.memory.wire import SOCKET
 from tests.conftest import CHUNK, SMALL, bits_equal, random_kv, random_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -12,7 +12,7 @@ An integration makes a :class:`Lookup` per request (its chunk keys and tenant) a
 
 The lookup's phases are :class:`Phase`; :meth:`Lookup.to` refuses a transition the engine does not
 make, so a bug shows as an error, not as a pin that is never released. A lookup holds protection
-(see :mod:`hpkv.engine.memory`) from FOUND until it is pinned or released; :meth:`Catalog.release`
+(see :mod:`hpkv.tiers.memory.bookkeeping`) from FOUND until it is pinned or released; :meth:`Catalog.release`
 ends it in any phase.
 
 Thread contract: a Lookup is driven by one thread at a time (vLLM's scheduler thread; a library

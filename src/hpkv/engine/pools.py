@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hpkv.core.config import HpkvConfig
-from hpkv.engine.memory import MemorySlots, Slots
+from hpkv.tiers.memory.bookkeeping import MemorySlots, Slots
 from hpkv.tiers.memory.hostslots import HostSlots, host_group, uses_host_pool
 from hpkv.tiers.memory.pool import ShmPool, check_holds_a_chunk, pool_file_path
 

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from hpkv.core.procs import name_os_thread
-from hpkv.engine.memory import Slots
 from hpkv.tiers.base import Tier
+from hpkv.tiers.memory.bookkeeping import Slots
 from hpkv.tiers.memory.pool import ShmPool
 
 log = logging.getLogger(__name__)

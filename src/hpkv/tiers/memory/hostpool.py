@@ -13,7 +13,7 @@ directory deleted), or on ``hpkv pool stop`` / SIGTERM; its pool files are remov
 
 Design: the pool's bytes are shared memory files the engines map (one per model and rank, created
 here: :mod:`hpkv.tiers.memory.files`); this process holds only the bookkeeping, one
-:class:`~hpkv.engine.memory.MemorySlots` per model (which chunk is in which slot, global LRU, pins,
+:class:`~hpkv.tiers.memory.bookkeeping.MemorySlots` per model (which chunk is in which slot, global LRU, pins,
 protection, the reset epoch). Engines ask over a Unix socket in the directory, a request per batch
 of keys (a lookup's chunks in one round trip), answered in order by one thread: each answer is a
 few dictionary operations, so N engines cost N round trips, not N lock hand-offs per chunk.
@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
-import json
 import logging
 import os
 import selectors
@@ -46,52 +45,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpkv.engine.memory import MemorySlots
+from hpkv.tiers.memory.bookkeeping import MemorySlots
 from hpkv.tiers.memory.files import create_pool_file, reclaim_stale, unlink_quietly
+from hpkv.tiers.memory.wire import HEADER, MAX_MESSAGE, PIDFILE, SOCKET, decode, send
 
 log = logging.getLogger("hpkv.pool")
 
-SOCKET = "hpkv-pool.sock"
-PIDFILE = "hpkv-pool.pid"
-LOGFILE = "hpkv-pool.log"
-_HEADER = struct.Struct("!I")
 SEND_TIMEOUT_S = 5.0
-MAX_MESSAGE = 64 << 20  # a request larger than this is a broken client, not a batch
-
-
-# -- framing (both sides) ----------------------------------------------------------------------
-
-
-def send(sock: socket.socket, message: dict[str, Any]) -> None:
-    data = json.dumps(message, separators=(",", ":")).encode()
-    sock.sendall(_HEADER.pack(len(data)) + data)
-
-
-def recv(sock: socket.socket) -> dict[str, Any] | None:
-    """The next message, or None when the peer closed the connection."""
-    head = _read_exact(sock, _HEADER.size)
-    if head is None:
-        return None
-    (n,) = _HEADER.unpack(head)
-    if n > MAX_MESSAGE:
-        raise ValueError(f"message of {n} bytes")
-    body = _read_exact(sock, n)
-    if body is None:
-        return None
-    out = json.loads(body)
-    if not isinstance(out, dict):
-        raise ValueError("a message must be a JSON object")
-    return out
-
-
-def _read_exact(sock: socket.socket, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            return None
-        buf += got
-    return bytes(buf)
 
 
 # -- the pool's state ----------------------------------------------------------------------------
@@ -246,17 +206,17 @@ class HostPool:
             self._drop(conn)
             return
         lease.inbuf += data
-        while len(lease.inbuf) >= _HEADER.size:
-            (n,) = _HEADER.unpack_from(lease.inbuf)
+        while len(lease.inbuf) >= HEADER.size:
+            (n,) = HEADER.unpack_from(lease.inbuf)
             if n > MAX_MESSAGE:
                 self._drop(conn)
                 return
-            if len(lease.inbuf) < _HEADER.size + n:
+            if len(lease.inbuf) < HEADER.size + n:
                 return
-            body = bytes(lease.inbuf[_HEADER.size : _HEADER.size + n])
-            del lease.inbuf[: _HEADER.size + n]
+            body = bytes(lease.inbuf[HEADER.size : HEADER.size + n])
+            del lease.inbuf[: HEADER.size + n]
             try:
-                req = json.loads(body)
+                req = decode(body)
                 reply = self.handle(lease, req)
             except Exception as e:  # a bad request ends that connection, never the pool
                 log.warning("hpkv pool: bad request from %s: %s", lease.peer, e)

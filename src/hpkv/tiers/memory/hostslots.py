@@ -1,6 +1,6 @@
 """An engine's side of the host pool (:mod:`hpkv.tiers.memory.hostpool`): find it, or start it, and
 use its bookkeeping through the same interface as an engine's own pool
-(:class:`hpkv.engine.memory.MemorySlots`), so the engine does not know which it has.
+(:class:`hpkv.tiers.memory.bookkeeping.MemorySlots`), so the engine does not know which it has.
 
 Thread contract: every method may be called from any thread; calls share one connection, one
 request at a time. If the pool process goes away, this engine's memory tier answers misses from
@@ -26,7 +26,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.stats import TierStats
 from hpkv.tiers.memory.files import make_pool_dir
-from hpkv.tiers.memory.hostpool import LOGFILE, PIDFILE, SOCKET, recv, send
+from hpkv.tiers.memory.wire import LOGFILE, PIDFILE, SOCKET, recv, send
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def _hello(
 
 
 class HostSlots:
-    """:class:`~hpkv.engine.memory.MemorySlots`' interface over the host pool's bookkeeping."""
+    """:class:`~hpkv.tiers.memory.bookkeeping.MemorySlots`' interface over the host pool's bookkeeping."""
 
     def __init__(self, config: HpkvConfig, group: str, ranks: int, slot_bytes: int, size: int) -> None:
         self._sock = open_connection(config)

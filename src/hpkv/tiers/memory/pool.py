@@ -1,6 +1,6 @@
 """The memory pool's mapping: a pool file mapped into this process, as a tensor, and released.
 
-No bookkeeping (which slot holds what is :mod:`hpkv.engine.memory`'s) and no file handling beyond
+No bookkeeping (which slot holds what is :mod:`hpkv.tiers.memory.bookkeeping`'s) and no file handling beyond
 mapping (creating, naming and reclaiming files is :mod:`hpkv.tiers.memory.files`'s). A pool this
 process created is removed when it closes, exits or is told to stop; one it attached is only
 unmapped.

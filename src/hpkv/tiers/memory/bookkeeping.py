@@ -1,7 +1,8 @@
 """The memory tier's bookkeeping: which chunk is in which pool slot, pins, protection, the reset epoch.
 
-One instance per engine (:class:`hpkv.engine.catalog.Catalog`), for the pools of every rank it
-serves: slot s holds chunk k in every rank's pool file. The bytes are moved by others (the
+One instance per engine's own pool (the engine's catalog holds it), or per model in the host pool
+(:mod:`hpkv.tiers.memory.hostpool`), for the pools of every rank served: slot s holds chunk k in
+every rank's pool file. The bytes are moved by others (the
 promotion's I/O threads, vLLM's workers, a library caller) while the slots involved are pinned;
 this module only decides who may use which slot.
 
