@@ -411,7 +411,7 @@ class Runner:
         self.args, self.system, self.model, self.prompts, self.expect, self.log = (
             args, system, model, prompts, expect, log,
         )  # fmt: skip
-        self.port = args.port if port is None else port
+        self._port = port  # None: --port
         self.hpkv = system.startswith("hpkv")  # hpkv or a variant of it (its own settings, same proofs)
         self.out = System(system)
         self.work = tempfile.mkdtemp(prefix="hpkv-bench-ttft-")
@@ -439,6 +439,10 @@ class Runner:
                 self.out.skipped.append((s, f"{NEEDS_LOCAL.get(s, 'needs a restart')} (run with --model)"))
             todo = [s for s in todo if s not in NEEDS_LOCAL and (s not in HITS or self.hpkv)]
         return todo
+
+    @property
+    def port(self) -> int:
+        return int(self.args.port if self._port is None else self._port)
 
     def run(self, scenarios: list[str], *, started: bool = False) -> System:
         """The scenarios in order (``started``: on the server :meth:`start` already started, left
