@@ -50,7 +50,9 @@ def test_a_decode_beside_storage_and_valkey_loads_is_measured_on_proven_loads(
     )
     assert storage["hits"] == 8 and storage["page_cache_reads"] == 0
     assert valkey["hits"] == 8
-    assert engine["prefix_cache_tokens"] == TOKENS - 64 and engine["hpkv_loaded_tokens"] == 63
+    # The prompt's last partial block is hpkv's to load or to leave: cost-aware loads leave it to
+    # the engine where this machine's steps show it saves nothing (engine/costs.py).
+    assert engine["prefix_cache_tokens"] == TOKENS - 64 and engine["hpkv_loaded_tokens"] in (0, 63)
     for r in (storage, valkey):
         assert r["tokens_in_window"] > 0 and r["load_ttft_s"] > 0
     assert "NOT PROVEN" not in text
