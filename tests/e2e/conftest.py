@@ -63,6 +63,10 @@ def make_server(
             "HPKV_SHARE_MEM_FILE_PATH": shm,
             "HPKV_KV_STORAGE_PATH": storage or os.path.join(tmp, f"storage-{name}"),
             "VLLM_SERVER_DEV_MODE": "1",
+            # Tests count the reads of each tier exactly: every hit loads whole, so that a busy
+            # machine (a slower tier measured) cannot turn a read into a recompute. The policy's
+            # own tests turn it back on.
+            "HPKV_COST_AWARE_LOADS": "false",
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "0-1" if (os.cpu_count() or 1) > 1 else "0",
         }

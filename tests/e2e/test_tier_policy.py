@@ -131,7 +131,8 @@ def valkey_server(demo_model: str, tmp: str, name: str, port: int, url: str) -> 
         {"kv_connector": "HpkvConnectorV1", "kv_role": "kv_both", "kv_connector_extra_config": extra}
     )
     # No storage tier: a hit after the memory pool is emptied can only come from valkey.
-    return make_server(demo_model, tmp, name, port, connector_json=cfg, env={"HPKV_KV_STORAGE_PATH": ""})
+    env = {"HPKV_KV_STORAGE_PATH": "", "HPKV_COST_AWARE_LOADS": "true"}  # the policy under test
+    return make_server(demo_model, tmp, name, port, connector_json=cfg, env=env)
 
 
 def cold_then_hits(
