@@ -1,5 +1,5 @@
 # The home row on the GPU: prefill, GPU hit and memory hit, hpkv beside vLLM's native OffloadingConnector
-# and vLLM alone, with CUDA graphs, 12 random 8192-token prompts; then where hpkv's time goes:
+# and vLLM alone, with CUDA graphs, 10 random 8192-token prompts; then where hpkv's time goes:
 #   - the copy probe (probe_copy.py): the mover's load against a pinned copy, outside vLLM;
 #   - the step trace of hpkv's engine (HPKV_STEP_TRACE) under $OUT/trace;
 #   - py-spy on hpkv's engine process during its GPU-hit row (HOME_SPY=1; needs py-spy's wheel in .whl/).
@@ -16,10 +16,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 [ "${HOME_PROBE:-1}" = 1 ] && timeout 90 python3 scripts/gpu/probe_copy.py 10 2>&1 | tail -14
 mkdir -p $OUT/trace
 export HPKV_STEP_TRACE=$OUT/trace
-# Interleaved: the three servers share the GPU (a third of its memory each), requests alternate.
-python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="--gpu-memory-utilization 0.28" \
-  --compare ${HOME_COMPARE:-hpkv,native,none} --interleave \
-  --scenarios prefill,gpu,memory --prompt-kind random --prompts 12 --pool-size 8G ${HOME_ARGS:-} \
+# Interleaved: the three servers share the GPU (0.3 of its memory each), requests alternate.
+timeout ${HOME_TIMEOUT:-470} python3 -m hpkv.cli.main bench ttft --model /root/m7b \
+  --vllm-args="--gpu-memory-utilization 0.3" --compare ${HOME_COMPARE:-hpkv,native,none} --interleave \
+  --scenarios prefill,gpu,memory --prompt-kind random --prompts ${HOME_PROMPTS:-10} --pool-size 8G \
+  ${HOME_ARGS:-} \
   --out $OUT/${HOME_NAME:-home} > $OUT/${HOME_NAME:-home}.log 2>&1 &
 B=$!
 if [ "${HOME_SPY:-0}" = 1 ]; then
