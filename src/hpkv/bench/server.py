@@ -254,13 +254,22 @@ class Server:
         if status != 200:
             raise ServerError(f"{path} answered {status}: {body[:300]!r}")
 
-    def hpkv_stats(self) -> dict[str, Any]:
-        """The counters of this server's engine: its stats file when it runs here with a known pool
-        directory, else its ``/metrics`` (``hpkv_tier_*``, ``hpkv_connector``)."""
-        if self.env.get("HPKV_SHARE_MEM_FILE_PATH"):
-            docs = self._own(read_all(self.env["HPKV_SHARE_MEM_FILE_PATH"]))
-            if docs:
-                return max(docs, key=lambda d: d.get("time", 0))
+    def hpkv_stats(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The counters of this server's engine as they are now: its stats file when it runs here
+        with a known pool directory, once one written after this call is there (the engine's
+        refresher rewrites it within a fraction of a second, a second while it computes; after
+        ``timeout`` seconds the newest), else its ``/metrics`` (``hpkv_tier_*``, ``hpkv_connector``)."""
+        path = self.env.get("HPKV_SHARE_MEM_FILE_PATH")
+        if path:
+            since, deadline = time.time(), time.monotonic() + timeout
+            while True:
+                docs = self._own(read_all(path))
+                doc = max(docs, key=lambda d: d.get("time", 0)) if docs else None
+                if doc is None:  # no engine of hpkv's here (a peer), or none started yet
+                    break
+                if doc.get("time", 0) >= since or time.monotonic() > deadline:
+                    return doc
+                time.sleep(0.02)
         return self.metrics_stats()
 
     def settled_stats(self, since: float | None = None, timeout: float = 30.0) -> dict[str, Any]:
