@@ -13,6 +13,13 @@ import pytest
 from hpkv.bench.serve import main as serve_main
 
 
+@pytest.fixture(autouse=True)
+def every_hit_loaded_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test counts each tier's reads: the bench's servers load every hit whole, so that a busy
+    machine (a tier measured slower than the prefill) cannot turn a read into a recompute."""
+    monkeypatch.setenv("HPKV_COST_AWARE_LOADS", "false")
+
+
 def test_revisits_are_served_by_hpkvs_tiers_with_vllm_alones_texts(
     demo_model: str, tmp_path: Any, capsys: Any
 ) -> None:

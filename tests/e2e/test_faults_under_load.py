@@ -12,8 +12,18 @@ import json
 import os
 from typing import Any
 
+import pytest
+
 from hpkv.bench.demo_model import default_dtype
 from hpkv.bench.serve import main as serve_main
+
+
+@pytest.fixture(autouse=True)
+def every_hit_loaded_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The test counts each tier's reads: the bench's servers load every hit whole, so that a busy
+    machine (a tier measured slower than the prefill) cannot turn a read into a recompute."""
+    monkeypatch.setenv("HPKV_COST_AWARE_LOADS", "false")
+
 
 # Each turn's 300 new tokens complete a chunk no earlier turn had, so every turn stores something; the
 # pool (11 chunks: 1 MiB each in float32, half that where the demo model runs in bfloat16) holds less

@@ -188,6 +188,9 @@ def run(args: argparse.Namespace) -> int:
             slot = slot_bytes(record_bytes(kv_bytes_per_token(model) * CHUNK))
             pool = args.pool_size or str(2 * (meta["tokens"] // CHUNK) * slot)
             env = bench_env()
+            # The protocol counts one GET per chunk: every remote hit is loaded whole, however the
+            # link compares with the prefill (a cost-aware cut would read as a miss).
+            env["HPKV_COST_AWARE_LOADS"] = "false"
             env.update(
                 {
                     "HPKV_KV_MEM_POOL_SIZE": pool,

@@ -33,6 +33,7 @@ TUNING_ENV = (
     "HPKV_STORAGE_O_DIRECT",
     "HPKV_STORAGE_DIRECT_WRITES",
     "HPKV_WRITE_BEHIND",
+    "HPKV_COST_AWARE_LOADS",  # a run that counts every tier's reads loads every hit whole
     "HPKV_STEP_TRACE",  # observes, changes nothing
 )
 
