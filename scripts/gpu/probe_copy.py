@@ -7,7 +7,10 @@ One prompt of the 7B shape (32 chunks of 256 tokens, 28 layers, 4 KV heads x 128
 * ``pinned 32x``: the same bytes as 32 copies of one chunk each;
 * ``shm 32x``: 32 chunk copies from a shared-memory pool file page-locked with cudaHostRegister
   (where hpkv's pool lives), straight into device memory, no scatter;
-* ``mover gN``: :meth:`Mover.load` (staging in groups of N chunks, then the scatter into blocks);
+* ``mover gN``: :meth:`Mover.load` (staging in groups of N chunks, the last N in halves, then the
+  scatter into blocks); ``mover g8 flat``: groups of 8 to the end;
+* ``hit``: the load of a hit as vLLM asks for it (its last chunk ends one token short, in a
+  partial block);
 * ``tail``: a 63-token load (a partial block), what a GPU-hit row would load.
 
     python3 scripts/gpu/probe_copy.py [ROUNDS]    (with hpkv importable)
@@ -95,6 +98,7 @@ def main() -> None:
 
         whole = [LoadItem(payloads[i], ids[i], 0, CHUNK) for i in range(CHUNKS)]
         tail = [LoadItem(payloads[CHUNKS - 1], ids[CHUNKS - 1], 192, 63)]
+        hit = [*whole[:-1], LoadItem(payloads[CHUNKS - 1], ids[CHUNKS - 1], 0, CHUNK - 1)]
         cases = {"pinned 1x": pinned1, "pinned 32x": pinned32, "shm 32x": shm32}
         for _ in range(2):  # interleaved rounds
             for name, fn in cases.items():
@@ -104,6 +108,11 @@ def main() -> None:
                 mover_mod.GROUP_CHUNKS = g
                 out[f"mover g{g}"] = timed(mover_load(whole), rounds)
             mover_mod.GROUP_CHUNKS = 8
+            out["hit (8191 tokens)"] = timed(mover_load(hit), rounds)
+            tapered = mover_mod._group_sizes
+            mover_mod._group_sizes = lambda n, g: [min(g, n - i) for i in range(0, n, g)]
+            out["mover g8 flat"] = timed(mover_load(whole), rounds)
+            mover_mod._group_sizes = tapered
             out["tail 63 tokens"] = timed(mover_load(tail), rounds)
         ref = total / out["pinned 1x"]
         print(f"one prompt: {total / 2**20:.0f} MiB in {CHUNKS} chunks; pinned 1x {ref / 1e9:.2f} GB/s")

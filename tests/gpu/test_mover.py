@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hpkv.core.layout import KVLayout
-from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem
+from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem, _group_sizes
 from hpkv.integrations.vllm.paged import PagedKV
 from hpkv.tiers.memory.pool import PAGE, ShmPool
 
@@ -291,3 +291,14 @@ def test_warm_up_leaves_the_kv_unchanged_and_the_buffers_ready(layerwise: bool) 
 def test_warm_up_is_nothing_on_cpu() -> None:
     _, _, _, mover = _setup("cpu", 16, torch.bfloat16, "cpu", False)
     assert mover.warm_up(CHUNK) == 0.0
+
+
+def test_a_load_ends_on_one_chunk_groups() -> None:
+    """Staged groups: full ones, then halves, so the last scatter (hidden behind no copy) is one chunk."""
+    assert _group_sizes(32, 8) == [8, 8, 8, 4, 2, 1, 1]
+    assert _group_sizes(9, 8) == [8, 1]
+    assert _group_sizes(5, 8) == [3, 1, 1]
+    assert _group_sizes(1, 8) == [1] and _group_sizes(0, 8) == []
+    for n in range(1, 70):
+        sizes = _group_sizes(n, 8)
+        assert sum(sizes) == n and max(sizes) <= 8 and sizes[-1] == 1

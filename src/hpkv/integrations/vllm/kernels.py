@@ -45,19 +45,20 @@ if HAVE_TRITON:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def scatter_kernel(
-        src_ptr, ptrs_ptr, items_ptr, in_chunk_ptr, dest_ptr, parts, chunk_tokens, sb, st, sh,
+        src_ptr, ptrs_ptr, items_ptr, in_chunk_ptr, dest_ptr, tokens_ptr, parts, chunk_tokens, sb, st, sh,
         sd: tl.constexpr, bs: tl.constexpr, hd: tl.constexpr, d: tl.constexpr,
         ELEM: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        m = tl.program_id(0)  # one whole block of one chunk
+        m = tl.program_id(0)  # one block of one chunk: its first ``tokens[m]`` tokens
         p = tl.program_id(1)  # one (layer, K/V) part
         item = tl.load(items_ptr + m).to(tl.int64)
+        n = tl.load(tokens_ptr + m) * hd
         blk = tl.load(in_chunk_ptr + m).to(tl.int64)
         dst = tl.load(ptrs_ptr + p).to(tl.pointer_type(ELEM)) + tl.load(dest_ptr + m).to(tl.int64) * sb
         src = src_ptr + ((item * parts + p) * chunk_tokens + blk * bs) * hd
         for start in range(0, bs * hd, BLOCK):
             e = start + tl.arange(0, BLOCK)
-            mask = e < bs * hd
+            mask = e < n
             tl.store(dst + paged_offset(e, st, sh, sd, hd, d), tl.load(src + e, mask=mask), mask=mask)
 
     @triton.jit  # type: ignore[untyped-decorator]
@@ -105,12 +106,15 @@ class PartTable:
 def scatter(
     table: PartTable, src: torch.Tensor, plan: Any, chunk_tokens: int, bs: int, heads: int, d: int
 ) -> None:
-    """``src``: staged payloads ``[items, bytes]``; ``plan``: the whole blocks (items, in_chunk, dest)."""
+    """``src``: staged payloads ``[items, bytes]``; ``plan``: every block to fill (items, in_chunk, dest,
+    tokens), partial ones included: one launch, where a copy per partial block and part cost ~2 x 28
+    launches for the last block of a prompt."""
     if plan.n == 0:
         return
     sb, st, sh, sd = table.strides
     _build()["scatter"][(plan.n, table.n)](
-        src.view(table.dtype), table.ptrs, plan.items, plan.in_chunk, plan.dest, table.n, chunk_tokens,
+        src.view(table.dtype), table.ptrs, plan.items, plan.in_chunk, plan.dest, plan.tokens,
+        table.n, chunk_tokens,
         sb, st, sh, sd=sd, bs=bs, hd=heads * d, d=d, ELEM=_elem(table.dtype), BLOCK=_BLOCK,
     )  # fmt: skip
 

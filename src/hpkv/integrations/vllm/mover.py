@@ -56,6 +56,20 @@ class StoreItem:
     block_ids: Sequence[int]
 
 
+def _group_sizes(n: int, group: int) -> list[int]:
+    """Chunks per staged group for a load of ``n``: full groups, then the last ``group`` chunks in
+    halves (8 -> 4, 2, 1, 1). A group's scatter overlaps the next group's copy; the last scatter
+    has nothing to hide behind, so the last group is one chunk."""
+    sizes = []
+    while n > group:
+        sizes.append(group)
+        n -= group
+    while n > 1:
+        sizes.append((n + 1) // 2)
+        n -= sizes[-1]
+    return [*sizes, n] if n else sizes
+
+
 def _event(timing: bool = False) -> Any:
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
 
@@ -244,7 +258,10 @@ class Mover:
 
     def _load_grouped(self, items: list[LoadItem]) -> None:
         nbytes = items[0].payload.numel()
-        groups = [items[g : g + GROUP_CHUNKS] for g in range(0, len(items), GROUP_CHUNKS)]
+        groups, at = [], 0
+        for size in _group_sizes(len(items), GROUP_CHUNKS):
+            groups.append(items[at : at + size])
+            at += size
         specs = [[(it.block_ids, it.first, it.count) for it in group] for group in groups]
         with torch.cuda.stream(self.scatter_stream):  # index tensors first, without blocking the host
             plans = [self.paged.plan(sp) for sp in specs]

@@ -171,7 +171,7 @@ class PagedKV:
 
     def plan(self, specs: Sequence[Spec]) -> _Plan:
         """Index tensors for :meth:`scatter_many` / :meth:`scatter_layer` (build once, reuse per layer)."""
-        return _Plan(specs, self.block_size, self.device)
+        return _Plan(specs, self.block_size, self.device, fold_tails=self.use_kernels)
 
     def scatter_many(self, buf: torch.Tensor, specs: Sequence[Spec], plan: _Plan | None = None) -> None:
         """Scatter the chunk payloads in ``buf`` (``[items, payload bytes]``, uint8, canonical, on the
@@ -195,8 +195,8 @@ class PagedKV:
         self._scatter_parts(plan, lambda _li, ki: src[:, ki], [li], whole)
 
     def _kernel_scatter(self, table: Any, buf: torch.Tensor, plan: _Plan, nb: int) -> bool:
-        """Move the whole blocks with the Triton kernel when ``table`` is given; True if the torch
-        path must still move them (partial blocks always go through torch)."""
+        """Move every block, partial ones included, with the Triton kernel when ``table`` is given;
+        True if the torch path must move them instead."""
         if table is None:
             return True
         from hpkv.integrations.vllm import kernels
@@ -239,13 +239,18 @@ Spec = tuple[Sequence[int], int, int]  # (block_ids, first, count)
 
 
 class _Plan:
-    """Where the whole blocks of several chunks go: per block (item, block in chunk, destination);
-    and the partial blocks at the ends (item, destination block, chunk token, tokens)."""
+    """Where the blocks of several chunks go: per block (item, block in chunk, destination, tokens).
+    The partial blocks at the ends are among them when ``fold_tails`` (the kernel copies a count of
+    tokens); otherwise they are kept apart as (item, destination block, chunk token, tokens) for
+    the torch path, which moves whole blocks only."""
 
-    def __init__(self, specs: Sequence[Spec], bs: int, device: torch.device) -> None:
+    def __init__(
+        self, specs: Sequence[Spec], bs: int, device: torch.device, fold_tails: bool = False
+    ) -> None:
         items: list[int] = []
         in_chunk: list[int] = []
         dest: list[int] = []
+        tokens: list[int] = []
         self.tails: list[tuple[int, int, int, int]] = []
         for i, (block_ids, first, count) in enumerate(specs):
             b0, full = first // bs, count // bs
@@ -253,13 +258,21 @@ class _Plan:
                 items.append(i)
                 in_chunk.append(b)
                 dest.append(block_ids[b])
-            if count - full * bs:
-                self.tails.append((i, block_ids[b0 + full], first + full * bs, count - full * bs))
+                tokens.append(bs)
+            rest = count - full * bs
+            if rest and fold_tails:
+                items.append(i)
+                in_chunk.append(b0 + full)
+                dest.append(block_ids[b0 + full])
+                tokens.append(rest)
+            elif rest:
+                self.tails.append((i, block_ids[b0 + full], first + full * bs, rest))
         self.n = len(dest)
         self.device = device
         self.items = _to_device(items, device)
         self.in_chunk = _to_device(in_chunk, device)
         self.dest = _to_device(dest, device)
+        self.tokens = _to_device(tokens, device)
 
 
 def _runs(block_ids: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
