@@ -258,14 +258,10 @@ class Mover:
 
     def _load_grouped(self, items: list[LoadItem]) -> None:
         nbytes = items[0].payload.numel()
-        groups, at = [], 0
-        for size in _group_sizes(len(items), GROUP_CHUNKS):
-            groups.append(items[at : at + size])
+        at = 0
+        for g, size in enumerate(_group_sizes(len(items), GROUP_CHUNKS)):
+            group = items[at : at + size]
             at += size
-        specs = [[(it.block_ids, it.first, it.count) for it in group] for group in groups]
-        with torch.cuda.stream(self.scatter_stream):  # index tensors first, without blocking the host
-            plans = [self.paged.plan(sp) for sp in specs]
-        for g, group in enumerate(groups):
             name = f"load{g % 2}"
             buf = self._buffer(name, len(group), nbytes, self.copy_stream)
             with torch.cuda.stream(self.copy_stream):
@@ -273,9 +269,14 @@ class Mover:
                     buf[j].copy_(it.payload, non_blocking=True)
                 copied = _event()
                 copied.record(self.copy_stream)
+            # The group's index tensors are built while its bytes cross PCIe: built for every group
+            # before the first copy, they kept the link idle for the host's time of all of them.
+            spec = [(it.block_ids, it.first, it.count) for it in group]
+            with torch.cuda.stream(self.scatter_stream):
+                plan = self.paged.plan(spec)
             self.scatter_stream.wait_event(copied)
             with torch.cuda.stream(self.scatter_stream):
-                self.paged.scatter_many(buf, specs[g], plans[g])
+                self.paged.scatter_many(buf, spec, plan)
             self._release(name, self.scatter_stream)
 
     def _load_layerwise(self, items: list[LoadItem]) -> None:
