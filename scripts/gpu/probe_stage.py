@@ -28,7 +28,8 @@ from concurrent.futures import wait
 from bench.probe_records import stored_records
 
 from hpkv.bench.refs import raw_read_gbps
-from hpkv.engine.catalog import MEMORY, Catalog
+from hpkv.engine.catalog import Catalog
+from hpkv.engine.interface import MEMORY
 
 CHUNKS = 32
 

@@ -13,7 +13,8 @@ from typing import Any
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
+from hpkv.engine.catalog import STORAGE, Catalog
+from hpkv.engine.interface import MEMORY
 from tests.conftest import CHUNK, SMALL
 
 

@@ -21,8 +21,9 @@ from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine import local
-from hpkv.engine.catalog import HELD, MEMORY, STORAGE, Catalog
-from hpkv.engine.lookup import Answer, Hit, IllegalTransition, Lookup, Miss, Pending, Phase
+from hpkv.engine.catalog import STORAGE, Catalog
+from hpkv.engine.interface import HELD, MEMORY, Answer, Hit, Miss, Pending
+from hpkv.engine.lookup import IllegalTransition, Lookup, Phase
 from hpkv.integrations.vllm.reqstate import LoadPhase, ReqState
 from tests.conftest import CHUNK, SMALL
 

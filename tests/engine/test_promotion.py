@@ -16,7 +16,8 @@ from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
 from hpkv.engine import local
-from hpkv.engine.catalog import MEMORY, STORAGE, VALKEY, Catalog
+from hpkv.engine.catalog import STORAGE, VALKEY, Catalog
+from hpkv.engine.interface import MEMORY
 from hpkv.engine.promotion import Promotion
 from hpkv.integrations.vllm.logs import staged_line
 from tests.conftest import CHUNK, SMALL

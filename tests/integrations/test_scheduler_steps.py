@@ -28,7 +28,8 @@ from vllm.v1.request import Request
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import MEMORY, STORAGE
+from hpkv.engine.catalog import STORAGE
+from hpkv.engine.interface import MEMORY
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta
 from hpkv.integrations.vllm.scheduler import HpkvScheduler
 from hpkv.tiers.memory.pool import slot_bytes

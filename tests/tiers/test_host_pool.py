@@ -30,7 +30,8 @@ CHILD = textwrap.dedent(
     """
     import os, random, sys, time
     from hpkv import HpkvConfig, KVStore
-    from hpkv.engine.lookup import Hit, Lookup
+    from hpkv.engine.interface import Hit
+    from hpkv.engine.lookup import Lookup
     from tests.conftest import CHUNK, SMALL, bits_equal, random_kv, random_tokens
 
     shm, what = sys.argv[1], sys.argv[2]

@@ -37,7 +37,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
-from concurrent.futures import ALL_COMPLETED, Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import torch
@@ -49,7 +49,23 @@ from hpkv.core.keys import SHARED_TENANT as SHARED
 from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.engine.cascade import Cascade
 from hpkv.engine.costs import LoadCosts
-from hpkv.engine.lookup import Ahead, Answer, Arrivals, Hit, Located, Lookup, Miss, Names, Pending, Phase
+from hpkv.engine.interface import (
+    HELD,
+    MEMORY,
+    NO_ROOM,
+    Answer,
+    Arrivals,
+    Asked,
+    Cut,
+    Engine,
+    Hit,
+    Miss,
+    Pending,
+    Reserved,
+    StoreTarget,
+    Why,
+)
+from hpkv.engine.lookup import GIVE_UP_S, Ahead, Located, Lookup, Names, Phase
 from hpkv.engine.pools import open_memory
 from hpkv.engine.promotion import Promoter
 from hpkv.tiers.base import TIERS, Tier, builder
@@ -57,28 +73,20 @@ from hpkv.tiers.memory.pool import ShmPool, slot_bytes
 
 log = logging.getLogger(__name__)
 
-MEMORY = "memory"
 STORAGE = "storage"
 VALKEY = "valkey"
 
-# How long a lookup's tier I/O may take before it settles for what has arrived.
-GIVE_UP_S = 30.0
 # How long a hit waits for pool slots that others hold before it is promoted as far as room goes
 # (two waiting requests could each hold, protected, resident chunks the other needs room for).
 ROOM_WAIT_S = 2.0
 
-# What begin_store hands out: a reserved pool slot (every rank's), or one rank's private record
-# (no memory tier, or no slot to spare) that the cascade writes to the slower tiers. A private
-# record is an anonymous mapping, not a bytearray: a bytearray is zeroed and faulted in while its
-# maker holds the GIL (milliseconds per chunk, stalling the engine's own threads), where a mapping's
-# pages are faulted in by the copy that fills it, which runs without the GIL; it is page-aligned too
-# (O_DIRECT writes).
-StoreTarget = int | mmap.mmap
-HELD = "held"  # begin_store: memory or a slower tier already holds the chunk, or a store of it runs
-NO_ROOM = "no room"  # begin_store: every slot pinned and no slower tier to write to instead
+# A private record (see interface.StoreTarget) is an anonymous mapping, not a bytearray: a
+# bytearray is zeroed and faulted in while its maker holds the GIL (milliseconds per chunk, stalling
+# the engine's own threads), where a mapping's pages are faulted in by the copy that fills it, which
+# runs without the GIL; it is page-aligned too (O_DIRECT writes).
 
 
-class Catalog:
+class Catalog(Engine):
     def __init__(
         self,
         config: HpkvConfig,
@@ -329,10 +337,13 @@ class Catalog:
         (a prefill rate to weigh it against) or to measure the promotions into memory by source."""
         return bool(self.pools) or (self.costs.enabled and self.costs.prefill_rate() is not None)
 
-    def locate(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
+    def locate(self, lks: Iterable[bytes], tenant: str = SHARED, *, remote: bool = True) -> list[str | None]:
         """Per key the fastest tier that holds it; None from the first key no tier holds onwards.
         The first steps of :meth:`lookup` (the remote tiers asked once, for the keys the local ones
-        lack), waited for, with nothing protected, promoted or counted: an existence check."""
+        lack), waited for, with nothing protected, promoted or counted: an existence check.
+        ``remote=False``: :meth:`locate_local` (no cut at a gap)."""
+        if not remote:
+            return self.locate_local(lks, tenant)
         lk = Lookup(list(lks), tenant)
         self._find(lk, 0, probe=True, sources=False)
         if lk.probe is not None:
@@ -389,6 +400,25 @@ class Catalog:
         checked existence itself (SGLang's ``batch_exists``), so the chunks no local tier holds are
         read from the remote tiers without asking first (a read that misses costs what the check
         would have)."""
+        waits, room = lk.waits, lk.waited_for_room
+        found = promotions = False
+
+        def asked() -> Asked:
+            if not (lk.waits - waits or lk.waited_for_room > room or found or promotions):
+                return Asked()
+            cut = None
+            if found and lk.left_out:
+                cut = Cut(lk.chunks, lk.found, frozenset(lk.left_out), lk.why_left)
+            return Asked(
+                waited=lk.waits - waits,
+                waited_for_room=lk.waited_for_room and not room,
+                found=found,
+                used_ahead=found and lk.ahead_used,
+                cut=cut,
+                promotions=tuple(lk.promotions) if promotions else (),
+                since=lk.since,
+            )
+
         if lk.phase is Phase.NEW:
             self._find(lk, first, probe)
             self.memory.counters.add("misses", sum(w != MEMORY for w in lk.where))
@@ -397,45 +427,55 @@ class Catalog:
                 lk.to(Phase.LOCATING)
             else:
                 self._cut(lk)
+                found = True
         if lk.phase is Phase.LOCATING:
             assert lk.probe is not None
             self._wait([lk.probe], lk, wait_until)
             if not lk.probe.done() and not self._gave_up(lk, GIVE_UP_S):
-                return Pending("locating")
+                return Pending(Why.LOCATING, asked())
             names, sources = lk.probe.result() if lk.probe.done() else ([None] * len(lk.probe_at), {})
             for i, name in zip(lk.probe_at, names, strict=True):
                 lk.where[i] = name
             lk.sources.update(sources)
             lk.probe = None
             self._cut(lk)
+            found = True
         if lk.phase is Phase.FOUND:
             need = [k for k, w in zip(lk.protected, lk.where, strict=False) if w != MEMORY]
             if self._short_of_room(len(need)) and not self._gave_up(lk, ROOM_WAIT_S):
                 # Promotions that found no slot would cut the hit short, and under load the engine
                 # would recompute the rest behind the backlog holding the slots.
                 lk.waited_for_room = True
-                return Pending("room")
+                return Pending(Why.ROOM, asked())
             if not lk.protected:
                 lk.to(Phase.READY)
             elif stream is not None and stream(len(need), len(lk.protected)):
                 self._guard(lk)  # its chunks are pinned as each is handed out, steps later
-                return self._stream(lk)
+                self._stream(lk)
             else:
                 lk.staging = self._promoter.stage(need, lk.tenant, defer=defer)
                 lk.promotions = list(lk.staging)
                 lk.to(Phase.STAGING)
         if lk.phase is Phase.STREAMING:
-            return Hit(lk.first, len(lk.protected), tiers=dict(lk.tiers), streaming=True)
+            return Hit(
+                lk.first,
+                len(lk.protected),
+                tiers=dict(lk.tiers),
+                streaming=True,
+                since=lk.since,
+                asked=asked(),
+            )
         if lk.phase is Phase.STAGING:
             self._wait(lk.staging, lk, wait_until)
             if not all(f.done() for f in lk.staging) and not self._gave_up(lk, GIVE_UP_S):
-                return Pending("promotions")
+                return Pending(Why.PROMOTIONS, asked())
             self._staged(lk)
+            promotions = bool(lk.promotions)
         slots = self.memory.pin(lk.lks[first:])
         self._unprotect(lk)  # pinned now, what of it is in memory
         if not slots:
-            return Miss()
-        return Hit(first, len(slots), slots, dict(lk.tiers))
+            return Miss(asked())
+        return Hit(first, len(slots), slots, dict(lk.tiers), since=lk.since, asked=asked())
 
     def _find(self, lk: Lookup, first: int, probe: bool, *, sources: bool = True) -> None:
         """Where each chunk from ``first`` is, from what memory and the tiers know without a system
@@ -509,7 +549,7 @@ class Catalog:
         pin half, so more can never be counted on (such a hit is promoted as far as room goes)."""
         return 0 < need <= self.num_slots // 2 and self.memory.room() < need
 
-    def _stream(self, lk: Lookup) -> Hit:
+    def _stream(self, lk: Lookup) -> None:
         # Each chunk's read is deferred to the end of the scheduling pass (see lookup's ``defer``).
         resident = self.memory.contains_many(lk.protected)
         for i, k in enumerate(lk.protected):
@@ -518,7 +558,6 @@ class Catalog:
         lk.staging = [f for _, f in lk.awaited if f is not None]
         lk.promotions = list(lk.staging)
         lk.to(Phase.STREAMING)
-        return Hit(lk.first, len(lk.protected), tiers=dict(lk.tiers), streaming=True)
 
     def _staged(self, lk: Lookup) -> None:
         """Every promotion of the hit settled: count per tier what arrived (a failed promotion
@@ -544,13 +583,29 @@ class Catalog:
     def _gave_up(lk: Lookup, limit: float) -> bool:
         return bool(lk.since) and time.monotonic() - lk.since > limit
 
-    def arrivals(self, lk: Lookup, *, give_up: bool = False, gone: bool = False) -> Arrivals:
+    def arrivals(
+        self,
+        lk: Lookup,
+        *,
+        give_up: bool = False,
+        gone: bool = False,
+        private: bool = False,
+        wait_until: float | None = None,
+    ) -> Arrivals:
         """A streamed hit's chunks that reached memory since the last call, each pinned for the
         caller (released by :meth:`finish_load`), and those that never will: a failed promotion,
         tier I/O given up (``give_up``, or GIVE_UP_S passed), the request gone (``gone``: nothing is
         handed out any more). After the first failure every later chunk fails too (the engine
-        recomputes from the first failed chunk anyway). Once nothing is awaited the reads are
-        measured and the lookup is READY. Never waits."""
+        recomputes from the first failed chunk anyway). ``private``: a chunk that reaches no slot
+        (no memory tier, no slot to spare, a failed promotion) is ``unslotted`` instead, for the
+        caller to read itself, and fails nothing after it. Once nothing is awaited the reads are
+        measured and the lookup is READY. ``wait_until``: when nothing has arrived, wait until then
+        for a first arrival."""
+        pending = [f for _, f in lk.awaited if f is not None and not f.done()]
+        if wait_until is not None and pending and len(pending) == len(lk.awaited) and not give_up:
+            left = wait_until - time.monotonic()
+            if left > 0:
+                wait(pending, timeout=left, return_when=FIRST_COMPLETED)
         give_up = give_up or self._gave_up(lk, GIVE_UP_S)
         out = Arrivals()
         waiting: list[tuple[int, Future[bool] | None]] = []
@@ -564,6 +619,10 @@ class Catalog:
             slots = self.memory.pin([lk.protected[i]]) if ok else []
             if slots:
                 out.ready.append((i, slots[0]))
+                if fut is None:
+                    out.resident.add(i)
+            elif private and not gone:
+                out.unslotted.append(i)
             else:
                 failing = True
                 out.failed.append(i)
@@ -618,30 +677,28 @@ class Catalog:
 
     def begin_store(
         self, lk: bytes, tenant: str = SHARED, *, rewrite: bool = False, private: bool = False
-    ) -> StoreTarget | str:
-        """Where to put the new chunk ``lk``: a reserved pool slot (every rank's; the caller fills and
-        seals each rank's record in it, then calls :meth:`finish_store`), or, with ``private`` and
-        no slot to spare, a private record buffer for the first served rank. Or a reason not to:
-        HELD (memory or a slower tier holds it, or a store of it is in flight; ``rewrite``: a
-        slower tier's copy does not count, as for a chunk a hit left to recompute, which then goes
-        into memory) or NO_ROOM (counted). A chunk already in memory that a slower tier may lack
-        is queued for it again. Never blocks."""
-        got = self.begin_stores([lk], tenant, rewrite=(lk,) if rewrite else ())[0]
-        if got != NO_ROOM or not private or not self.tiers:
-            return got
-        with self._storing_lock:
-            if self._spare:
-                return self._spare.pop()
-        return mmap.mmap(-1, self.record_bytes)
+    ) -> Reserved:
+        """:meth:`begin_stores` of one chunk (``rewrite``: even where a slower tier holds it)."""
+        return self.begin_stores([lk], tenant, rewrite=(lk,) if rewrite else (), private=private)[0]
 
     def begin_stores(
-        self, lks: Sequence[bytes], tenant: str = SHARED, *, rewrite: Container[bytes] = ()
-    ) -> list[StoreTarget | str]:
-        """:meth:`begin_store` of each of ``lks`` (``rewrite``: the keys to store even where a slower
-        tier holds them), asking the memory tier twice for all of them (which are resident, then
-        the slots for the others) instead of for each: the host pool's questions are round trips.
-        Private records are never handed out. Never blocks."""
-        out: list[StoreTarget | str | None] = [None] * len(lks)
+        self,
+        lks: Sequence[bytes],
+        tenant: str = SHARED,
+        *,
+        rewrite: Container[bytes] = (),
+        private: bool = False,
+    ) -> list[Reserved]:
+        """Where to put each new chunk of ``lks``: a reserved pool slot (every rank's; the caller
+        fills and seals each rank's record in it, then calls :meth:`finish_stores`), or, with
+        ``private`` and no slot to spare, a private record buffer for the first served rank. Or
+        why not: HELD (memory or a slower tier holds it, or a store of it is in flight;
+        ``rewrite``: the keys for which a slower tier's copy does not count, as for a chunk a hit
+        left to recompute, which then goes into memory) or NO_ROOM (counted). A chunk already in
+        memory that a slower tier may lack is queued for it again. The memory tier is asked twice
+        for all of them (which are resident, then the slots for the others), not for each: the
+        host pool's questions are round trips. Never blocks."""
+        out: list[Reserved | None] = [None] * len(lks)
         resident = self.memory.pin_each(lks) if lks else {}
         release: list[int] = []
         for i, slot in resident.items():
@@ -666,21 +723,32 @@ class Catalog:
             for i in mine[len(slots) :]:
                 self._storing.discard(lks[i])
                 out[i] = NO_ROOM
+        if private and self.tiers:
+            with self._storing_lock:
+                for i, o in enumerate(out):
+                    if o is NO_ROOM:
+                        out[i] = self._spare.pop() if self._spare else mmap.mmap(-1, self.record_bytes)
         return [HELD if o is None else o for o in out]
 
-    def finish_stores(self, done: Sequence[tuple[bytes, int, bool, str]]) -> list[bool]:
-        """:meth:`finish_store` of each ``(lk, slot, ok, tenant)`` a :meth:`begin_stores` handed out,
-        committed with one question to the memory tier."""
+    def finish_stores(self, done: Sequence[tuple[bytes, StoreTarget, bool, str]]) -> list[bool]:
+        """Each ``(lk, target, ok, tenant)`` a :meth:`begin_stores` handed out is filled and sealed on
+        every rank (``ok``) or given up. A slot becomes visible and is queued for the slower tiers
+        unless they all hold ``lk`` (the slots committed with one question to the memory tier); a
+        private record is queued for them. Per store: False (and the slot freed) if not ``ok``, if
+        another writer committed ``lk`` first, if the memory tier was reset since, or if the
+        write-behind's queue had no room for a private record."""
         out = [False] * len(done)
         commits: list[tuple[int, int, bool]] = []  # (index in done, slot, cascade)
         with self._storing_lock:
             for lk, _, _, _ in done:
                 self._storing.discard(lk)
-        for i, (lk, slot, ok, tenant) in enumerate(done):
-            if not ok:
-                self.memory.abort(slot)
+        for i, (lk, target, ok, tenant) in enumerate(done):
+            if isinstance(target, mmap.mmap):
+                out[i] = ok and self._cascade.submit(lk, target, tenant)
+            elif not ok:
+                self.memory.abort(target)
             else:
-                commits.append((i, slot, bool(self.tiers) and self._cascade.needed(lk, tenant)))
+                commits.append((i, target, bool(self.tiers) and self._cascade.needed(lk, tenant)))
         got = self.memory.commit_many([(slot, done[i][0], keep) for i, slot, keep in commits])
         for (i, slot, cascade), ok in zip(commits, got, strict=True):
             if not ok:
@@ -703,12 +771,7 @@ class Catalog:
         )
 
     def finish_store(self, lk: bytes, target: StoreTarget, ok: bool, tenant: str = SHARED) -> bool:
-        """The caller has filled and sealed ``target`` (``ok``) or given up on it. A slot becomes
-        visible and is queued for the slower tiers unless they all hold ``lk``; a private record is
-        queued for them. False (and the slot freed) if not ``ok``, if another writer committed
-        ``lk`` first, or if the memory tier was reset since :meth:`begin_store`."""
-        if isinstance(target, mmap.mmap):
-            return ok and self._cascade.submit(lk, target, tenant)
+        """:meth:`finish_stores` of one store."""
         return self.finish_stores([(lk, target, ok, tenant)])[0]
 
     # -- for a caller that holds the bytes in this process (see engine/local.py) --------------
@@ -716,6 +779,32 @@ class Catalog:
     def run_io(self, fn: Callable[..., object], *args: object) -> Future[object]:
         """Run ``fn`` on an I/O thread."""
         return self._promoter.submit(fn, *args)
+
+    def slot_payload(self, slot: int, lk: bytes) -> torch.Tensor | None:
+        """The first served rank's payload of ``lk`` in pinned ``slot``, its header checked (not its
+        checksum: slots are written only by this engine, from verified records or the engine's
+        own KV), or None: the chunk is dropped and the slot released."""
+        rec = self._slot_record(0, slot)
+        verdict = record.verify(
+            rec, self.record_bytes, self.rank_digests[0], self.record_key(0, lk), self.payload_bytes,
+            check_payload=False,
+        )  # fmt: skip
+        if verdict is not record.Verdict.OK:
+            self.memory.drop(lk)
+            self.finish_load([slot])
+            return None
+        p = slot * self.slot_bytes + record.HEADER_BYTES
+        return self.pools[0].tensor[p : p + self.payload_bytes]
+
+    def store_record(self, target: StoreTarget) -> memoryview:
+        """The first served rank's record in a store's ``target`` (a slot, or a private record)."""
+        if isinstance(target, mmap.mmap):
+            return memoryview(target)
+        return self._slot_record(0, target)
+
+    def seal(self, lk: bytes, rec: memoryview) -> None:
+        """Seal the first served rank's record of ``lk`` (its payload filled)."""
+        record.seal(rec, self.rank_digests[0], self.record_key(0, lk), self.payload_bytes)
 
     def read_private(self, lk: bytes, tenant: str = SHARED) -> torch.Tensor | None:
         """The first served rank's verified record of ``lk`` in this thread's private buffer (valid
@@ -786,6 +875,7 @@ class Catalog:
                 capacity_bytes=self.num_slots * self.payload_bytes * n,
                 chunks=used,
                 pinned_slots=pinned,
+                slots=self.num_slots,
                 cascade_pending=self._cascade.pending(),
             )
         for name, ts in self.tiers.items():

@@ -29,6 +29,8 @@ from typing import Any
 
 from hpkv.core.keys import SHARED_TENANT
 
+# How long a lookup's tier I/O may take before it settles for what has arrived.
+GIVE_UP_S = 30.0
 # A remote existence check made ahead of the lookup (see Catalog.look_ahead) is used only if it is
 # at most this old: another engine may have stored the chunks since.
 AHEAD_FRESH_S = 2.0
@@ -57,48 +59,6 @@ ALLOWED: dict[Phase, frozenset[Phase]] = {
 
 class IllegalTransition(RuntimeError):
     """A lookup was moved to a phase its current one cannot lead to (a bug in the caller or engine)."""
-
-
-@dataclass(frozen=True)
-class Miss:
-    """Nothing to load from the asked position on."""
-
-
-@dataclass(frozen=True)
-class Pending:
-    """Tier I/O still runs; ask again. ``why``: "locating" (what the tiers below memory hold and
-    where each read would come from, asked on an I/O thread), "room" (pool slots others hold for a
-    while), "promotions"."""
-
-    why: str
-
-
-@dataclass(frozen=True)
-class Hit:
-    """``chunks`` chunks from chunk ``first`` on. ``slots``: their pinned memory slots (empty for a
-    streamed hit, whose chunks come from :meth:`Catalog.arrivals`); the caller releases them
-    with :meth:`Catalog.finish_load`. ``tiers``: chunks of the hit per tier that held them when
-    found (after staging: per tier, those that arrived)."""
-
-    first: int
-    chunks: int
-    slots: list[int] = field(default_factory=list)
-    tiers: dict[str, int] = field(default_factory=dict)
-    streaming: bool = False
-
-
-Answer = Hit | Pending | Miss
-
-
-@dataclass
-class Arrivals:
-    """One look at a streamed hit: the chunks (index in the hit, pinned slot) that reached memory
-    since the last look, the indexes of those that never will (a failed promotion, I/O given up, the
-    request gone; every chunk after the first failure fails too), and how many are still read."""
-
-    ready: list[tuple[int, int]] = field(default_factory=list)
-    failed: list[int] = field(default_factory=list)
-    waiting: int = 0
 
 
 Names = list[str | None]  # per chunk asked: the tier below memory that holds it, or None

@@ -16,12 +16,14 @@ from typing import Any
 
 import torch
 
+from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace, Tokens, tokens_to_array
 from hpkv.core.layout import KVLayout
 from hpkv.engine import local
-from hpkv.engine.catalog import MEMORY, STORAGE, Catalog
+from hpkv.engine.catalog import STORAGE, Catalog
+from hpkv.engine.interface import MEMORY
 from hpkv.engine.local import Consume, Into, Produce
 from hpkv.tiers.memory.pool import ShmPool
 
@@ -51,7 +53,7 @@ class KVStore:
         self.namespace = Namespace(model_id, layout, config.chunk_size, rank, world_size, config.salt)
         self.engine = Catalog(config, self.namespace, ranks=[rank])
         self.payload_bytes = self.engine.payload_bytes
-        self.record_bytes = self.engine.record_bytes
+        self.record_bytes = record.record_bytes(self.payload_bytes)
         self._chunk_shape = layout.chunk_shape(self.chunk_size)
         self._closed = False
 
@@ -87,7 +89,7 @@ class KVStore:
     def locate_keys(self, keys: list[bytes], remote: bool = True) -> list[str | None]:
         """Per key, the fastest tier that holds it; None from the first key no tier holds onwards.
         ``remote=False``: memory and local tiers only, and no cut at the first gap."""
-        return self.engine.locate(keys) if remote else self.engine.locate_local(keys)
+        return self.engine.locate(keys, remote=remote)
 
     def locate(self, tokens: Tokens) -> list[str | None]:
         """Per full chunk of ``tokens``: the tier that would serve it, or None (no tier, or after a gap)."""

@@ -44,7 +44,8 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import digest, text_bytes
 from hpkv.core.layout import KVLayout
-from hpkv.engine.catalog import MEMORY, STORAGE
+from hpkv.engine.catalog import STORAGE
+from hpkv.engine.interface import MEMORY
 from hpkv.engine.store import KVStore
 from hpkv.integrations.statsfile import Refresher, StatsFile
 

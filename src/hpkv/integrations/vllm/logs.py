@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 
 from hpkv.core.config import HpkvConfig
-from hpkv.engine.catalog import MEMORY, Catalog
+from hpkv.engine.interface import MEMORY, Engine
 from hpkv.engine.promotion import Promotion
 
 log = logging.getLogger("hpkv")
@@ -51,7 +51,7 @@ class PoolFullLog:
     write-behind's queue) reach no tier, and a revisit recomputes them: said at most once per
     ``every_s`` seconds, with how many since, the pool's state and the setting that helps."""
 
-    def __init__(self, config: HpkvConfig, catalog: Catalog, every_s: float) -> None:
+    def __init__(self, config: HpkvConfig, catalog: Engine, every_s: float) -> None:
         self._config, self._catalog, self._every_s = config, catalog, every_s
         self._said = 0.0
         self._since = 0
@@ -70,7 +70,7 @@ class PoolFullLog:
             self._since,
             req_id,
             mem.get("pinned_slots", 0),
-            self._catalog.num_slots,
+            mem.get("slots", 0),
             mem.get("cascade_pending", 0),
             self._config.where("mem_pool_size"),
             self._config.mem_pool_size / 2**20,

@@ -48,6 +48,12 @@ class ReqState:
     async_hit: int = 0  # an async hit's end in tokens, once answered
     async_op: int = 0  # the async load's op, from allocation until every rank reported it
     logged: bool = False  # the lookup's log line was written
+    # What the engine's answers said (the lookup's fields are the engine's):
+    asked: bool = False  # the engine was asked about the request
+    hit_first: int = 0  # the chunk the hit counts from
+    hit_tiers: dict[str, int] = field(default_factory=dict)  # chunks of the hit per tier
+    since: float = 0.0  # when its tier I/O began
+    left_out: frozenset[bytes] = frozenset()  # chunks of the hit left to recompute (cost)
 
     @property
     def lks(self) -> list[bytes]:

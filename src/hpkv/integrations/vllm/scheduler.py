@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import MEMORY, NO_ROOM, Catalog
+from hpkv.engine.catalog import Catalog
 from hpkv.engine.costs import RateMemo
-from hpkv.engine.lookup import Hit, Lookup, Miss, Phase
+from hpkv.engine.interface import MEMORY, NO_ROOM, Asked, Engine, Hit, Miss
+from hpkv.engine.lookup import Lookup
 from hpkv.integrations.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
 from hpkv.integrations.vllm.logs import PoolFullLog, staged_line
@@ -81,8 +82,10 @@ class HpkvScheduler:
         self.load_enabled = load
         self.gpu = gpu
         self.store_enabled = store
-        self.catalog = Catalog(config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools)
-        self.identity = IdentityReader(self.catalog.logical_digest, self.chunk_size, config.salt)
+        self.catalog: Engine = Catalog(
+            config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools
+        )
+        self.identity = IdentityReader(namespace.logical_digest, self.chunk_size, config.salt)
         self.world_size = namespace.world_size
         self._reqs: dict[str, ReqState] = {}
         self._async: dict[str, ReqState] = {}  # async loads whose last part is still to be sent
@@ -109,7 +112,7 @@ class HpkvScheduler:
         }
         self.costs = self.catalog.costs
         self._memo = RateMemo(
-            [config.resolved_storage_path, config.share_mem_file_path if self.catalog.pools else None],
+            [config.resolved_storage_path, config.share_mem_file_path if self.catalog.pool_paths else None],
             f"{namespace.logical_digest.hex()}|{device or ('gpu' if gpu else 'cpu')}",
         )
         self.costs.seed(self._memo.load())
@@ -197,7 +200,7 @@ class HpkvScheduler:
         first = num_computed // C
         # What the engine's own prefix cache holds was computed, and offered to hpkv, before.
         st.next_store = max(st.next_store, first)
-        if lk.phase is Phase.NEW:
+        if not st.asked:
             # Even a hit of every chunk from here would not pay for its load (the prompt's last
             # partial block after vLLM's own hit, the commonest): no lookup, no tier asked.
             end = min(len(lk.lks) * C, st.prompt_len - 1)
@@ -207,7 +210,8 @@ class HpkvScheduler:
                 self._counters["lookups_not_worth_a_load"] += 1
                 return 0, False
         busy = self._busy()
-        was = (lk.phase, lk.waits, lk.waited_for_room)
+        if not st.asked:  # the lookup looks from here on (a streamed hit's chunks count from it)
+            st.asked, st.hit_first = True, first
         answer = self.catalog.lookup(
             lk,
             first,
@@ -217,9 +221,11 @@ class HpkvScheduler:
                 below > 0, self._hit_end(st, chunks) - num_computed
             ),
         )
-        self._count_lookup(request.request_id, st, was)
-        if answer is None or not isinstance(answer, (Hit, Miss)):
+        self._count_lookup(request.request_id, st, answer.asked)
+        if not isinstance(answer, (Hit, Miss)):
             return None, False
+        if isinstance(answer, Hit):
+            st.hit_first, st.hit_tiers, st.since = answer.first, answer.tiers, answer.since
         if isinstance(answer, Hit) and answer.streaming:
             return self._answer_async(st, answer, num_computed)
         self._counters["lookups"] += 1
@@ -255,29 +261,28 @@ class HpkvScheduler:
     def _hit_end(self, st: ReqState, chunks: int) -> int:
         """Where a hit of ``chunks`` chunks from the lookup's first ends, in tokens (the engine
         computes at least the last one)."""
-        return min((st.lookup.first + chunks) * self.chunk_size, st.prompt_len - 1)
+        return min((st.hit_first + chunks) * self.chunk_size, st.prompt_len - 1)
 
-    def _count_lookup(self, req_id: str, st: ReqState, was: tuple[Phase, int, bool]) -> None:
+    def _count_lookup(self, req_id: str, st: ReqState, asked: Asked) -> None:
         """Count and log what this ask of the engine's lookup did."""
-        lk = st.lookup
-        phase, waits, room = was
-        self._counters["lookups_waited_alone"] += lk.waits - waits
-        self._counters["lookups_waited_for_room"] += lk.waited_for_room and not room
-        if phase in (Phase.NEW, Phase.LOCATING) and lk.phase not in (Phase.NEW, Phase.LOCATING):
-            self._counters["remote_checks_at_arrival"] += lk.ahead_used
-            if lk.left_out:
-                self._counters["lookups_cut_by_cost"] += 1
-                self._counters["chunks_left_to_recompute"] += len(lk.left_out)
-                log.info(
-                    "hpkv: request %s: loading %d of %d chunks found, %d left to recompute (%s)",
-                    req_id,
-                    lk.chunks,
-                    lk.found,
-                    len(lk.left_out),
-                    lk.why_left,
-                )
-        if phase is Phase.STAGING and lk.phase is Phase.READY and lk.promotions:
-            log.info("hpkv: %s", staged_line(lk.promotions, req_id, lk.since))
+        self._counters["lookups_waited_alone"] += asked.waited
+        self._counters["lookups_waited_for_room"] += asked.waited_for_room
+        if asked.found:
+            self._counters["remote_checks_at_arrival"] += asked.used_ahead
+        if asked.cut is not None:
+            st.left_out = asked.cut.left_out
+            self._counters["lookups_cut_by_cost"] += 1
+            self._counters["chunks_left_to_recompute"] += len(asked.cut.left_out)
+            log.info(
+                "hpkv: request %s: loading %d of %d chunks found, %d left to recompute (%s)",
+                req_id,
+                asked.cut.loaded,
+                asked.cut.found,
+                len(asked.cut.left_out),
+                asked.cut.why,
+            )
+        if asked.promotions:
+            log.info("hpkv: %s", staged_line(list(asked.promotions), req_id, asked.since))
             self._memo.save(self.costs.export())
 
     def _answer_async(self, st: ReqState, hit: Hit, num_computed: int) -> tuple[int, bool]:
@@ -374,7 +379,7 @@ class HpkvScheduler:
         chunks: list[ChunkLoad] = []
         failed_blocks: list[int] = []
         for i, slot in got.ready:
-            j = lk.first + i
+            j = st.hit_first + i
             lo, hi = max(j * C, start), min((j + 1) * C, end)
             if hi <= lo:  # outside what vLLM asked for (its own prefix cache has it)
                 self.catalog.finish_load([slot])
@@ -385,7 +390,7 @@ class HpkvScheduler:
                 )
             )
         for i in got.failed:
-            j = lk.first + i
+            j = st.hit_first + i
             lo, hi = max(j * C, start), min((j + 1) * C, end)
             blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
             failed_blocks.extend(blocks[(lo - j * C) // bs : -(-(hi - j * C) // bs)])
@@ -402,7 +407,7 @@ class HpkvScheduler:
                 "the last %.1f ms after the lookup%s",
                 req_id,
                 len(op.slots),
-                (time.monotonic() - lk.since) * 1e3,
+                (time.monotonic() - st.since) * 1e3,
                 f"; {len(failed_blocks)} blocks could not be read and are recomputed"
                 if failed_blocks
                 else "",
@@ -413,11 +418,11 @@ class HpkvScheduler:
             chunks,
             st.prompt_len,
             st.load_tokens,
-            lk.tiers,
+            st.hit_tiers,
             asynchronous=True,
             last=last,
             failed_blocks=[] if gone else failed_blocks,
-            since=lk.since,
+            since=st.since,
         )
 
     def _plan(self, meta: HpkvMeta, req_id: str, st: ReqState, computed_after: int) -> None:
@@ -427,7 +432,7 @@ class HpkvScheduler:
             st.to(LoadPhase.NONE)
             chunks = st.leased_chunks(C, bs)
             op = self._new_op(Op("load", st.lease, remaining=self.world_size, tokens=st.load_tokens))
-            meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.lookup.tiers))
+            meta.loads.append(LoadRequest(op, req_id, chunks, st.prompt_len, st.load_tokens, st.hit_tiers))
             st.lease = []  # now owned by the op, released when every rank has copied
             st.next_store = max(st.next_store, (st.load_start + st.load_tokens) // C)
         if not self.store_enabled or not st.lks:
@@ -440,7 +445,7 @@ class HpkvScheduler:
         # slower to read than to compute: the engine's KV of it then goes into memory, so the next
         # hit loads it from there (the write-behind finds storage holding it). One batch per
         # request and step: the memory tier is asked twice, not twice per chunk.
-        targets = self.catalog.begin_stores(st.lks[first:limit], st.tenant, rewrite=st.lookup.left_out)
+        targets = self.catalog.begin_stores(st.lks[first:limit], st.tenant, rewrite=st.left_out)
         for j, reserved in enumerate(targets, start=first):
             lk = st.lks[j]
             if reserved == NO_ROOM:
