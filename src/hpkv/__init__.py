@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from hpkv.core.config import HpkvConfig
     from hpkv.core.errors import HpkvConfigError, HpkvError, HpkvTierError
     from hpkv.core.layout import KVLayout
-    from hpkv.engine.store import KVStore
+    from hpkv.integrations.library.store import KVStore
 
 __all__ = ["HpkvConfig", "HpkvConfigError", "HpkvError", "HpkvTierError", "KVLayout", "KVStore"]
 __version__ = "0.1.0"
@@ -26,7 +26,7 @@ _WHERE = {
     "HpkvError": "hpkv.core.errors",
     "HpkvTierError": "hpkv.core.errors",
     "KVLayout": "hpkv.core.layout",
-    "KVStore": "hpkv.engine.store",
+    "KVStore": "hpkv.integrations.library.store",
 }
 
 

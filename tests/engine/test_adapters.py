@@ -19,12 +19,12 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "hpkv"
 ADAPTERS = {
     "integrations/vllm/scheduler.py": ("self.catalog", "self._catalog"),
     "integrations/vllm/logs.py": ("self._catalog",),
-    "engine/local.py": ("eng",),
-    "engine/store.py": ("self.engine",),
+    "integrations/library/local.py": ("eng",),
+    "integrations/library/store.py": ("self.engine",),
 }
 # KVStore hands a library user its tiers for inspection (KVStore.pool, .storage, .valkey) and
 # the record key a chunk is stored under; nothing of it is on a data path.
-INSPECTION = {"engine/store.py": {"pools", "storage", "valkey", "tier_names", "record_key", "check"}}
+INSPECTION = {"integrations/library/store.py": {"pools", "tier", "tier_names", "record_key", "check"}}
 LOOKUP_HANDLES = ("lk", "st.lookup", "lookup")
 LOOKUP_PUBLIC = {"lks", "tenant", "pending_io"}
 

@@ -13,8 +13,9 @@ from typing import Any
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import STORAGE, Catalog
+from hpkv.engine.catalog import Catalog
 from hpkv.engine.interface import MEMORY
+from hpkv.tiers.base import STORAGE
 from tests.conftest import CHUNK, SMALL
 
 
@@ -65,7 +66,7 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         assert cat.in_storage(lk)
         cat.clear((MEMORY,))
         reading, release = threading.Event(), threading.Event()
-        real = cat.storage[0].fetch_into
+        real = cat.tier(STORAGE)[0].fetch_into
 
         def held(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
             check = real(key, buf, tenant)  # read on the I/O thread; the check runs on a verify thread
@@ -79,7 +80,7 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
 
             return gated
 
-        monkeypatch.setattr(cat.storage[0], "fetch_into", held)
+        monkeypatch.setattr(cat.tier(STORAGE)[0], "fetch_into", held)
         [fut] = cat.stage([lk])
         assert reading.wait(10)
         cat.clear((MEMORY,))  # the reset lands while the promotion holds its bytes
@@ -87,7 +88,7 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         assert fut.result(10) is False
         assert not cat.in_memory(lk) and cat.locate_local([lk]) == [STORAGE]
         cat.check()
-        monkeypatch.setattr(cat.storage[0], "fetch_into", real)
+        monkeypatch.setattr(cat.tier(STORAGE)[0], "fetch_into", real)
         assert cat.stage([lk])[0].result(10) and cat.in_memory(lk)  # a promotion after the reset works
     finally:
         cat.close()

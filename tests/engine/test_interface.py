@@ -3,8 +3,8 @@
 A real pool and a real storage directory; the vLLM scheduler's sequence (lookup until it stops
 being pending, then the hit's pinned slots handed to the copies and released; a store reserved,
 filled, sealed and finished) and the in-process sequence the library and SGLang use
-(engine/local.py) go through the same methods. Also: a reset during a pending lookup, an abort while
-loading, and the state machines refusing an illegal transition.
+(integrations/library/local.py) go through the same methods. Also: a reset during a pending
+lookup, an abort while loading, and the state machines refusing an illegal transition.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ import pytest
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
-from hpkv.engine import local
-from hpkv.engine.catalog import STORAGE, Catalog
+from hpkv.engine.catalog import Catalog
 from hpkv.engine.interface import HELD, MEMORY, Answer, Hit, Miss, Pending
 from hpkv.engine.lookup import IllegalTransition, Lookup, Phase
+from hpkv.integrations.library import local
 from hpkv.integrations.vllm.reqstate import LoadPhase, ReqState
+from hpkv.tiers.base import STORAGE
 from tests.conftest import CHUNK, SMALL
 
 

@@ -15,11 +15,12 @@ import torch
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
-from hpkv.engine import local
-from hpkv.engine.catalog import STORAGE, VALKEY, Catalog
+from hpkv.engine.catalog import Catalog
 from hpkv.engine.interface import MEMORY
 from hpkv.engine.promotion import Promotion
+from hpkv.integrations.library import local
 from hpkv.integrations.vllm.logs import staged_line
+from hpkv.tiers.base import STORAGE, VALKEY
 from tests.conftest import CHUNK, SMALL
 
 VERIFY = pytest.mark.parametrize("verify_threads", [0, 2], ids=["inline", "verify-threads"])
@@ -71,7 +72,7 @@ def test_verified_promotions_commit_and_a_corrupt_file_is_a_miss_and_removed(
         payloads = fill(cat, lks)
         assert cat.locate_local(lks) == [MEMORY] * 4
         cat.clear((MEMORY,))
-        bad = cat.storage[0].path(cat.record_key(0, lks[2]))
+        bad = cat.tier(STORAGE)[0].path(cat.record_key(0, lks[2]))
         flip_payload_byte(bad)
         since = time.monotonic()
         futures = cat.stage(lks)
@@ -110,9 +111,9 @@ def test_a_storage_record_that_fails_its_check_is_read_from_valkey(
         lks = cat.keys(list(range(2 * CHUNK)), seed=os.urandom(16))
         payloads = fill(cat, lks)
         cat.flush()
-        assert all(cat.valkey[0].contains_many([cat.record_key(0, lk) for lk in lks]))
+        assert all(cat.tier(VALKEY)[0].contains_many([cat.record_key(0, lk) for lk in lks]))
         cat.clear((MEMORY,))
-        flip_payload_byte(cat.storage[0].path(cat.record_key(0, lks[1])))
+        flip_payload_byte(cat.tier(STORAGE)[0].path(cat.record_key(0, lks[1])))
         futures = cat.stage(lks)
         wait(futures, timeout=10)
         assert [f.result() for f in futures] == [True, True]
@@ -134,7 +135,7 @@ def test_a_load_checks_what_it_read_and_cuts_at_a_corrupt_chunk(
         lks = cat.keys(list(range(4 * CHUNK)))
         payloads = fill(cat, lks)
         cat.clear((MEMORY,))
-        flip_payload_byte(cat.storage[0].path(cat.record_key(0, lks[2])))
+        flip_payload_byte(cat.tier(STORAGE)[0].path(cat.record_key(0, lks[2])))
         got: dict[int, bytes] = {}
 
         def consume(i: int, payload: torch.Tensor) -> None:

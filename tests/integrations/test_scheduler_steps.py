@@ -28,10 +28,10 @@ from vllm.v1.request import Request
 from hpkv import HpkvConfig
 from hpkv.core import record
 from hpkv.core.keys import Namespace
-from hpkv.engine.catalog import STORAGE
 from hpkv.engine.interface import MEMORY
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta
 from hpkv.integrations.vllm.scheduler import HpkvScheduler
+from hpkv.tiers.base import STORAGE
 from hpkv.tiers.memory.pool import slot_bytes
 from tests.conftest import SMALL, random_tokens
 
@@ -198,7 +198,7 @@ class Gate:
 
     def __init__(self, sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reading, self.release = threading.Event(), threading.Event()
-        tier = sim.cat.storage[0]
+        tier = sim.cat.tier(STORAGE)[0]
         real = tier.fetch_into
 
         def held(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
@@ -724,7 +724,7 @@ def test_async_a_corrupt_chunk_ends_the_load_there_and_its_blocks_are_recomputed
     sim = make_sim(async_load=True, storage_io_threads=1)
     tokens = prompt(4, seed=22)
     lks = in_storage_only(sim, tokens, 4)
-    flip_payload_byte(sim.cat.storage[0].path(sim.cat.record_key(0, lks[2])))
+    flip_payload_byte(sim.cat.tier(STORAGE)[0].path(sim.cat.record_key(0, lks[2])))
     req = sim.request("b", tokens)
     assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)
     ids = sim.admit(req, 4 * CHUNK)
@@ -805,7 +805,7 @@ def test_async_chunks_that_arrive_together_go_out_in_one_step(
 
     sim, tokens, lks, gate = head_in_memory_rest_held(make_sim, monkeypatch, 4, seed=25)
     monkeypatch.setattr(mod, "ASYNC_GATHER_S", 10.0)  # three reads in a row, well inside it
-    tier = sim.cat.storage[0]
+    tier = sim.cat.tier(STORAGE)[0]
     gated = tier.fetch_into
 
     def slow(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:

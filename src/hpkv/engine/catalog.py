@@ -22,7 +22,7 @@ Both integrations use one interface (nothing else of this class is theirs to cal
   buffer) for a new chunk; the caller fills and seals it on every rank; :meth:`Catalog.finish_store`
   makes it visible and queues it for the slower tiers (:mod:`hpkv.engine.cascade`).
 
-:mod:`hpkv.engine.local` runs those pairs for a caller that holds the bytes in this process (the
+:mod:`hpkv.integrations.library.local` runs those pairs for a caller that holds the bytes in this process (the
 library, SGLang).
 
 Thread contract: every method may be called from any thread. ``lookup`` never blocks past its
@@ -73,8 +73,6 @@ from hpkv.tiers.memory.pool import ShmPool, slot_bytes
 
 log = logging.getLogger(__name__)
 
-STORAGE = "storage"
-VALKEY = "valkey"
 
 # How long a hit waits for pool slots that others hold before it is promoted as far as room goes
 # (two waiting requests could each hold, protected, resident chunks the other needs room for).
@@ -201,13 +199,10 @@ class Catalog(Engine):
 
     # -- tiers ------------------------------------------------------------------------
 
-    @property
-    def storage(self) -> list[Tier]:
-        return self.tiers.get(STORAGE, [])
-
-    @property
-    def valkey(self) -> list[Tier]:
-        return self.tiers.get(VALKEY, [])
+    def tier(self, name: str) -> list[Tier]:
+        """The tier registered as ``name`` (see :data:`hpkv.tiers.base.TIERS`), one per served rank;
+        empty when it is not configured."""
+        return self.tiers.get(name, [])
 
     @property
     def has_remote(self) -> bool:
@@ -774,7 +769,7 @@ class Catalog(Engine):
         """:meth:`finish_stores` of one store."""
         return self.finish_stores([(lk, target, ok, tenant)])[0]
 
-    # -- for a caller that holds the bytes in this process (see engine/local.py) --------------
+    # -- for a caller that holds the bytes in this process (see integrations/library/local.py) --------------
 
     def run_io(self, fn: Callable[..., object], *args: object) -> Future[object]:
         """Run ``fn`` on an I/O thread."""
@@ -815,7 +810,11 @@ class Catalog(Engine):
         """The first served rank's payload of ``lk`` straight from its storage file into ``pieces``
         (see :meth:`StorageTier.read_payload_into`): True (verified), False (the file failed its
         check and is gone: the slower tiers may still have it), None (not tried here)."""
-        read = getattr(self.storage[0], "read_payload_into", None) if self.storage else None
+        read = None
+        for ts in self.tiers.values():
+            read = getattr(ts[0], "read_payload_into", None)
+            if read is not None:
+                break
         if read is None:
             return None
         got: bool | None = read(self.record_key(0, lk), pieces)
@@ -849,9 +848,12 @@ class Catalog(Engine):
 
     # -- housekeeping --------------------------------------------------------------
 
-    def clear(self, tiers: tuple[str, ...] = (MEMORY, STORAGE)) -> None:
-        """Forget chunks of the named tiers (pinned slots are freed when their copies finish).
-        A remote tier is cleared only when named: it is shared with other engines."""
+    def clear(self, tiers: tuple[str, ...] | None = None) -> None:
+        """Forget chunks of the named tiers (pinned slots are freed when their copies finish);
+        default: memory and the local tiers. A remote tier is cleared only when named: it is
+        shared with other engines."""
+        if tiers is None:
+            tiers = (MEMORY, *self._local_names())
         if MEMORY in tiers:
             self.memory.reset()
         named = [ts for n, ts in self.tiers.items() if n in tiers]

@@ -292,8 +292,9 @@ class Engine(abc.ABC):
     # -- housekeeping ----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def clear(self, tiers: tuple[str, ...] = (MEMORY, "storage")) -> None:
-        """Forget the chunks of the named tiers (a remote one only when named: it is shared)."""
+    def clear(self, tiers: tuple[str, ...] | None = None) -> None:
+        """Forget the chunks of the named tiers; default: memory and the local tiers (a remote one
+        only when named: it is shared)."""
 
     @abc.abstractmethod
     def stats(self) -> dict[str, dict[str, int]]:

@@ -83,9 +83,11 @@ class Built:
 
 # name -> "module:builder", slowest last (lookups and reads try them in this order). A builder is
 # ``(config, payload_bytes, rank_digests) -> Built | None`` (None: not configured).
+STORAGE = "storage"
+VALKEY = "valkey"
 TIERS: dict[str, str] = {
-    "storage": "hpkv.tiers.disk:from_config",
-    "valkey": "hpkv.tiers.valkey:from_config",
+    STORAGE: "hpkv.tiers.disk:from_config",
+    VALKEY: "hpkv.tiers.valkey:from_config",
 }
 
 Builder = Callable[[HpkvConfig, int, list[bytes]], "Built | None"]

@@ -44,9 +44,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import digest, text_bytes
 from hpkv.core.layout import KVLayout
-from hpkv.engine.catalog import STORAGE
-from hpkv.engine.interface import MEMORY
-from hpkv.engine.store import KVStore
+from hpkv.integrations.library.store import KVStore
 from hpkv.integrations.statsfile import Refresher, StatsFile
 
 log = logging.getLogger("hpkv")
@@ -411,7 +409,7 @@ class HpkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     def clear(self) -> None:
         """Drop every page of this engine's memory and storage tiers (Valkey is shared: kept)."""
         if self.store is not None:
-            self.store.clear((MEMORY, STORAGE))
+            self.store.clear()
 
     def get_stats(self) -> None:
         return None  # SGLang's own storage metrics; hpkv's counters: hpkv_stats() and `hpkv stats`

@@ -21,10 +21,10 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT, Namespace, Tokens, tokens_to_array
 from hpkv.core.layout import KVLayout
-from hpkv.engine import local
-from hpkv.engine.catalog import STORAGE, Catalog
-from hpkv.engine.interface import MEMORY
-from hpkv.engine.local import Consume, Into, Produce
+from hpkv.engine.catalog import Catalog
+from hpkv.integrations.library import local
+from hpkv.integrations.library.local import Consume, Into, Produce
+from hpkv.tiers.base import STORAGE, VALKEY
 from hpkv.tiers.memory.pool import ShmPool
 
 
@@ -66,12 +66,14 @@ class KVStore:
     @property
     def storage(self) -> Any:
         """This rank's storage tier (a :class:`hpkv.tiers.disk.StorageTier`), or None."""
-        return self.engine.storage[0] if self.engine.storage else None
+        tiers = self.engine.tier(STORAGE)
+        return tiers[0] if tiers else None
 
     @property
     def valkey(self) -> Any:
         """This rank's valkey tier (a :class:`hpkv.tiers.valkey.ValkeyTier`), or None."""
-        return self.engine.valkey[0] if self.engine.valkey else None
+        tiers = self.engine.tier(VALKEY)
+        return tiers[0] if tiers else None
 
     def tier_names(self) -> list[str]:
         return self.engine.tier_names()
@@ -107,9 +109,10 @@ class KVStore:
         self, keys: list[bytes], consume: Consume, *, probe: bool = True, into: Into | None = None
     ) -> int:
         """Hand each chunk's verified payload to ``consume``; return how many leading chunks succeeded
-        (see :func:`hpkv.engine.local.load`: memory hits on the calling thread, slower ones as they land,
-        promoted into memory; blocks until every read is done). ``probe=False``: skip the remote
-        existence check (the caller just made it) and read what the local tiers lack remotely.
+        (see :func:`hpkv.integrations.library.local.load`: memory hits on the calling thread,
+        slower ones as they land, promoted into memory; blocks until every read is done).
+        ``probe=False``: skip the remote existence check (the caller just made it) and read what the
+        local tiers lack remotely.
         ``into(i)``: chunk ``i``'s destination, for reads straight from the page cache to it."""
         return local.load(self.engine, keys, consume, SHARED_TENANT, probe=probe, into=into)
 
@@ -176,7 +179,7 @@ class KVStore:
         """Wait until every write to the slower tiers submitted so far is done (or dropped)."""
         self.engine.flush()
 
-    def clear(self, tiers: tuple[str, ...] = (MEMORY, STORAGE)) -> None:
+    def clear(self, tiers: tuple[str, ...] | None = None) -> None:
         """Drop every chunk from the named tiers (after pending writes land, so none reappears).
         ``"valkey"`` deletes this namespace's keys on the server (only when named: it is shared)."""
         self.flush()
