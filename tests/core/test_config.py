@@ -222,15 +222,18 @@ def test_remote_url_forms_and_no_password_echo() -> None:
 
 
 def test_the_readme_gives_every_setting_one_line() -> None:
-    """README's settings table: one row per setting, each a single line, nothing else."""
+    """README's settings table is the settings table: one row per setting in declaration order, its
+    help and its default as the setting declares them, each a single line."""
     import pathlib
     import re
 
+    from hpkv.core.config import settings
+
     readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
-    rows = re.findall(r"^\| `(HPKV_\w+)` \| (.*) \|$", readme, re.M)
-    names = [name for name, _ in rows]
-    assert sorted(names) == sorted(HpkvConfig.env_names().values())
-    assert all(len(what) < 160 for _, what in rows)
+    rows = re.findall(r"^\| `(HPKV_\w+)` \| (.*) \| (.*) \|$", readme, re.M)
+    want = [(spec.env, spec.help, spec.shown) for _, spec in settings()]
+    assert rows == want
+    assert all(len(what) < 160 for _, what, _ in rows)
 
 
 def test_a_pool_idle_timeout_of_0_keeps_the_pool_until_it_is_stopped() -> None:

@@ -21,14 +21,14 @@ def test_chunk_size_must_be_a_multiple_of_the_engine_block_size(tmp_path: object
 
 
 def test_write_behind_is_paced_unless_told() -> None:
-    """HPKV_WRITE_BEHIND: "auto" (the default) and "paced" prefer the engine's idle time (bounded);
-    "immediate" writes at once; the old "idle" is refused with the values that work."""
+    """HPKV_WRITE_BEHIND: "paced" (the default) prefers the engine's idle time (bounded);
+    "immediate" writes at once; other values are refused with the values that work."""
     from hpkv.integrations.vllm.connector import defer_writes
 
-    for setting, want in [("auto", True), ("paced", True), ("immediate", False)]:
+    for setting, want in [("paced", True), ("immediate", False)]:
         assert defer_writes(setting) is want, setting
     assert HpkvConfig.load({}, env={"HPKV_WRITE_BEHIND": "Paced"}).write_behind == "paced"
-    assert HpkvConfig.load({}, env={}).write_behind == "auto"
+    assert HpkvConfig.load({}, env={}).write_behind == "paced"
     with pytest.raises(HpkvConfigError, match="HPKV_WRITE_BEHIND='idle'"):
         HpkvConfig.load({}, env={"HPKV_WRITE_BEHIND": "idle"})
 

@@ -67,8 +67,8 @@ def _setup_logging() -> None:
 
 def defer_writes(write_behind: str) -> bool:
     """Whether the write-behind is paced (``HPKV_WRITE_BEHIND``): it prefers the engine's idle time,
-    for at most CASCADE_PACE_S per chunk. "auto" paces, on the CPU build and on a GPU alike: writes
-    during a computing step take CPU and memory bandwidth from the step's own host work."""
+    for at most CASCADE_PACE_S per chunk (the default, on the CPU build and on a GPU alike: writes
+    during a computing step take CPU and memory bandwidth from the step's own host work)."""
     return write_behind != "immediate"
 
 
