@@ -192,9 +192,13 @@ def test_a_hit_over_a_fast_link_loads_whole(demo_model: str, tmp: str, valkey: V
     s.start()
     try:
         _, _, c, _ = cold_then_hits(s, demo_model, seed=900)
-        assert c.delta("valkey", "hits") == 12
+        # The link is never judged slower than recomputing. A prompt whose whole load the engine's
+        # measured steps show dearer than its compute (a busy machine can measure them so) is not
+        # looked up at all: the policy's other half, counted apart.
         assert c.delta("connector", "chunks_left_to_recompute") == 0
-        assert c.delta("connector", "loaded_tokens") == 12 * CHUNK
+        loaded = 3 - c.delta("connector", "lookups_not_worth_a_load")
+        assert c.delta("valkey", "hits") == 4 * loaded and loaded >= 1
+        assert c.delta("connector", "loaded_tokens") == 4 * loaded * CHUNK
     finally:
         s.stop()
         shutil.rmtree(s.env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
