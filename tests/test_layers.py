@@ -55,3 +55,23 @@ def test_a_module_imports_only_its_layer_and_those_below(name: str) -> None:
     assert own is not None
     up = sorted(m for m in imports(name, modules()[name]) if (layer(m) or 0) > own)
     assert not up, f"{name} ({LAYERS[own]}) imports from a layer above it: {up}"
+
+
+def test_the_benches_import_each_other_without_a_cycle() -> None:
+    """A bench module's imports (lazy ones too) never lead back to it: a cycle hidden by a
+    function-level import is still one."""
+    known = modules()
+    bench = {n for n in known if n.startswith("hpkv.bench.")}
+    graph = {n: {m for m in imports(n, known[n]) if m in bench and m != n} for n in bench}
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt == path[0]:
+                cycles.append(" -> ".join([*path, nxt]))
+            elif nxt not in path and nxt > path[0]:  # each cycle once, from its smallest module
+                visit(nxt, [*path, nxt])
+
+    for start in sorted(bench):
+        visit(start, [start])
+    assert not cycles, "bench modules import each other in a cycle:\n" + "\n".join(cycles)

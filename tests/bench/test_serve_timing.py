@@ -15,7 +15,9 @@ from typing import Any
 
 import pytest
 
-from hpkv.bench.serve import Turn, percentile, run_load, summarize
+from hpkv.bench.serve_run import run_load
+from hpkv.bench.serve_stats import percentile, summarize
+from hpkv.bench.workload import Turn
 
 ITL_S = 0.03  # between two streamed tokens, every request
 

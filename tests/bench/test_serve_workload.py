@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hpkv.bench.serve import percentile, sessions, sources, summarize, warmups
 from hpkv.bench.serve_report import charts
+from hpkv.bench.serve_stats import percentile, sources, summarize
+from hpkv.bench.workload import sessions, warmups
 
 
 def test_turns_are_round_robin_and_reuse_each_users_context() -> None:

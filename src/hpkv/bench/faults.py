@@ -275,7 +275,7 @@ class Gate:
 def by_turn(result: dict[str, Any], requests: list[Any]) -> list[dict[str, float]]:
     """Per turn (every user's request of that turn): TTFT p50/p99, requests per second over the
     turn's span (its first request sent to its last finished), failed requests."""
-    from hpkv.bench.serve import percentile
+    from hpkv.bench.serve_stats import percentile
 
     starts = result.get("start_times") or []
     lat = result.get("latencies") or [

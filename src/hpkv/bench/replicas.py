@@ -12,8 +12,10 @@ import os
 import shutil
 from typing import Any
 
-from hpkv.bench.serve import Turn, hpkv_tiers, run_load, runner_args, sources, summarize
+from hpkv.bench.serve_run import hpkv_tiers, run_load, runner_args
+from hpkv.bench.serve_stats import sources, summarize
 from hpkv.bench.server import ServerError
+from hpkv.bench.workload import Turn
 
 
 def replicated_run(
