@@ -230,6 +230,10 @@ def test_chunks_left_to_recompute_are_counted_out_of_a_hit_row() -> None:
     assert not verify_hpkv("valkey", hp(left=8, keyspace_hits=16), E)[0]
     e = Expect(2, 4, 1100, in_memory=2)
     assert verify_hpkv("mixed", hp(memory_hits=4, left=4), e)[0]  # memory loaded, storage left
+    # No prompt's whole load would pay for itself: nothing looked up, every chunk recomputed.
+    ok, proof = verify_hpkv("memory", hp(not_worth=2), E)
+    assert ok and "memory pool hits 0/8" in proof and "8 left to recompute" in proof
+    assert not verify_hpkv("memory", hp(not_worth=1), E)[0]  # the other prompt's 4 chunks are unaccounted
 
 
 def test_a_row_that_left_chunks_to_recompute_claims_no_load_rate(capsys: pytest.CaptureFixture[str]) -> None:

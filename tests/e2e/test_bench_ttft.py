@@ -21,7 +21,12 @@ def run(args: list[str], out: str, capsys: Any) -> tuple[int, dict[str, Any], st
         return rc, json.load(f), text
 
 
-def test_every_scenario_is_proven_and_reported(demo_model: str, tmp_path: Any, capsys: Any) -> None:
+def test_every_scenario_is_proven_and_reported(
+    demo_model: str, tmp_path: Any, capsys: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every hit row must load (its copy rates are asserted below): a busy machine may measure a
+    # load dearer than its compute, so the cost policy, tested on its own in test_tier_policy, is off.
+    monkeypatch.setenv("HPKV_COST_AWARE_LOADS", "false")
     rc, res, text = run(
         ["--model", demo_model, "--tokens", "1100", "--prompts", "2", "--prompt-kind", "random",
          "--port", "8471"],
@@ -32,9 +37,8 @@ def test_every_scenario_is_proven_and_reported(demo_model: str, tmp_path: Any, c
     rows = {r["scenario"]: r for r in hp["rows"]}
     assert list(rows) == ["prefill", "gpu", "memory", "storage", "storage-cold", "mixed", "valkey"]
     assert all(r["valid"] for r in rows.values()), [r["proof"] for r in rows.values()]
-    # Cost-aware loads may leave chunks to the engine where a busy machine measures a tier slower
-    # than recomputing (or a prompt's whole load dearer than its steps): what was loaded plus what
-    # was left is what was found, whatever the timing.
+    # What was loaded plus what was left to recompute is what was found (nothing is left with the
+    # policy off; the bench's own proof counts both).
     valkey, mixed = rows["valkey"]["deltas"], rows["mixed"]["deltas"]
 
     def left(d: dict[str, int], per_prompt: int = 4) -> int:
