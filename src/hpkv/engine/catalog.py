@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable, Container, Iterable, Sequence
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, wait
@@ -50,9 +49,7 @@ from hpkv.core.keys import Namespace, Tokens, chunk_keys, record_key
 from hpkv.engine.cascade import Cascade
 from hpkv.engine.costs import LoadCosts
 from hpkv.engine.interface import (
-    HELD,
     MEMORY,
-    NO_ROOM,
     Answer,
     Arrivals,
     Asked,
@@ -65,9 +62,11 @@ from hpkv.engine.interface import (
     StoreTarget,
     Why,
 )
-from hpkv.engine.lookup import GIVE_UP_S, Ahead, Located, Lookup, Names, Phase
+from hpkv.engine.locator import Locator
+from hpkv.engine.lookup import GIVE_UP_S, Ahead, Located, Lookup, Phase
 from hpkv.engine.pools import open_memory
 from hpkv.engine.promotion import Promoter
+from hpkv.engine.stores import Stores
 from hpkv.tiers.base import TIERS, Tier, builder
 from hpkv.tiers.memory.pool import ShmPool, slot_bytes
 
@@ -139,16 +138,20 @@ class Catalog(Engine):
                 p.close()
             raise
         self.memory = memory.slots
+        self._where = Locator(self.memory, self.tiers, self.record_key, lambda fn: self._promoter.submit(fn))
         self.num_slots = memory.slots.num_slots
-        self._storing: set[bytes] = set()  # chunks reserved by begin_store, not yet finished
-        self._storing_lock = threading.Lock()
-        # Private records the cascade has written, kept for the next stores: a fresh mapping costs
-        # its page faults again and its unmapping a TLB flush on every core. At most as many as the
-        # cascade's queue holds at once (the peak it could hold anyway).
-        self._spare: list[mmap.mmap] = []
-        self._spare_max = config.cascade_queue_chunks
+        self._stores = Stores(
+            self.memory,
+            bool(self.pools),
+            bool(self.tiers),
+            lambda: self._cascade,
+            self._where.held_below,
+            self.record_bytes,
+            self.payload_bytes,
+            config.cascade_queue_chunks,
+        )
         # Promotions from a remote tier wait on the network: as many threads as its workers.
-        threads = max(config.storage_io_threads, config.valkey_num_workers if self.has_remote else 0)
+        threads = max(config.storage_io_threads, config.valkey_num_workers if self._where.has_remote else 0)
         self.io_threads = threads
         # Where there are cores to spare, a read record is checked on a verify thread while its
         # I/O thread fetches the next one, so reading and hashing overlap; where there are not, the
@@ -181,14 +184,8 @@ class Catalog(Engine):
             defer=defer_cascade,
             pressure=self.memory.scarce,
             timed=self._timed_write,
-            written=self._spare_record,
+            written=self._stores.spare,
         )
-
-    def _spare_record(self, rec: mmap.mmap) -> None:
-        """The cascade is done with a private record: keep it for a later store."""
-        with self._storing_lock:
-            if len(self._spare) < self._spare_max:
-                self._spare.append(rec)
 
     def _timed_write(self, tier: str, nbytes: int, seconds: float) -> None:
         """A write to a remote tier bounds its reads (a slow link is slow both ways); a local tier's
@@ -204,23 +201,8 @@ class Catalog(Engine):
         empty when it is not configured."""
         return self.tiers.get(name, [])
 
-    @property
-    def has_remote(self) -> bool:
-        return any(ts[0].remote for ts in self.tiers.values())
-
     def tier_names(self) -> list[str]:
         return ([MEMORY] if self.pools else []) + list(self.tiers)
-
-    def _local_names(self) -> list[str]:
-        """The local tiers below memory: a read's source there needs a look (see ``Tier.source``);
-        a remote tier's is its name."""
-        return [n for n, ts in self.tiers.items() if not ts[0].remote]
-
-    def _local_tiers(self) -> list[tuple[str, list[Tier]]]:
-        return [(n, ts) for n, ts in self.tiers.items() if not ts[0].remote]
-
-    def _remote_tiers(self) -> list[tuple[str, list[Tier]]]:
-        return [(n, ts) for n, ts in self.tiers.items() if ts[0].remote]
 
     def slow_tiers(self, i: int) -> list[Tier]:
         return [ts[i] for ts in self.tiers.values()]
@@ -257,75 +239,19 @@ class Catalog(Engine):
     def in_memory(self, lk: bytes) -> bool:
         return lk in self.memory
 
-    def held_locally(self, lk: bytes, tenant: str = SHARED) -> str | None:
-        """The first local tier (no network) known to hold every rank's shard of ``lk``, or None:
-        from what each tier keeps in memory (``Tier.held``), no system call. A file another process
-        wrote since is found by the lookup's probe (:meth:`locate_below`), off the caller's thread."""
-        for name, ts in self._local_tiers():
-            if all(t.held(self.record_key(i, lk), tenant) for i, t in enumerate(ts)):
-                return name
-        return None
-
     def in_storage(self, lk: bytes) -> bool:
-        return self.held_locally(lk) is not None
+        """Whether a local tier's index holds ``lk`` (see :meth:`Locator.held_locally`)."""
+        return self._where.held_locally(lk) is not None
 
     def locate_local(self, lks: Iterable[bytes], tenant: str = SHARED) -> list[str | None]:
-        """Per key memory or a local tier or None, without asking a remote tier and without
-        cutting at a gap."""
-        keys = list(lks)
-        resident = self.memory.contains_many(keys)  # one question for all: the host pool is a round trip
-        return [MEMORY if r else self.held_locally(lk, tenant) for lk, r in zip(keys, resident, strict=True)]
-
-    def read_source(self, lk: bytes, tier: str, tenant: str = SHARED) -> str:
-        """Where a read of ``lk`` from ``tier`` would come from (see ``Tier.source``; asked of the
-        first served rank, whose files the others' follow), ``memory`` for the memory tier."""
-        if tier == MEMORY or tier not in self.tiers:
-            return tier
-        return self.tiers[tier][0].source(self.record_key(0, lk), tenant)
-
-    def in_slow_many(self, lks: list[bytes], tenant: str = SHARED, *, remote: bool = True) -> Names:
-        """Per key the first tier below memory that holds every rank's shard, else None: the local
-        tiers asked for what their index lacks (a file another process wrote), then (``remote``)
-        one pipelined round trip per rank and remote tier for the rest. Blocks for it."""
-        out: Names = [None] * len(lks)
-        for name, ts in self._local_tiers() + (self._remote_tiers() if remote else []):
-            rest = [j for j, w in enumerate(out) if w is None]
-            if not rest:
-                break
-            have = [True] * len(rest)
-            for i, t in enumerate(ts):
-                got = t.contains_many([self.record_key(i, lks[j]) for j in rest], tenant)
-                have = [a and b for a, b in zip(have, got, strict=True)]
-            for j, h in zip(rest, have, strict=True):
-                if h:
-                    out[j] = name
-        return out
-
-    def locate_below(
-        self, gaps: list[bytes], held: list[tuple[bytes, str]], tenant: str = SHARED, *, remote: bool = True
-    ) -> Located:
-        """What a lookup asks off the engine's thread: per key of ``gaps`` the tier below memory that
-        holds it (:meth:`in_slow_many`), and where each read would come from (``Tier.source``: for
-        storage a look into the page cache per file) for those and for ``held`` (key, tier). A
-        failure answers "absent". Blocks for it."""
-        try:
-            names = self.in_slow_many(gaps, tenant, remote=remote) if gaps else []
-        except Exception:
-            log.exception("hpkv: existence check failed")
-            names = [None] * len(gaps)
-        sources: dict[bytes, str] = {}
-        for k, tier in [*held, *((k, n) for k, n in zip(gaps, names, strict=True) if n is not None)]:
-            try:
-                sources[k] = self.read_source(k, tier, tenant)
-            except Exception:
-                sources[k] = tier
-        return names, sources
+        """Per key memory or a local tier or None, from the indexes, with no cut at a gap."""
+        return self._where.locate_local(lks, tenant)
 
     def probe(
         self, gaps: list[bytes], held: list[tuple[bytes, str]], tenant: str = SHARED, *, remote: bool = True
     ) -> Future[Located]:
-        """:meth:`locate_below` on an I/O thread; never blocks."""
-        return self._promoter.submit(lambda: self.locate_below(gaps, held, tenant, remote=remote))
+        """:meth:`Locator.locate_below` on an I/O thread; never blocks."""
+        return self._where.probe(gaps, held, tenant, remote=remote)
 
     def _sources_needed(self) -> bool:
         """Whether a lookup needs to know where each read below memory comes from: for the cost plan
@@ -338,7 +264,7 @@ class Catalog(Engine):
         lack), waited for, with nothing protected, promoted or counted: an existence check.
         ``remote=False``: :meth:`locate_local` (no cut at a gap)."""
         if not remote:
-            return self.locate_local(lks, tenant)
+            return self._where.locate_local(lks, tenant)
         lk = Lookup(list(lks), tenant)
         self._find(lk, 0, probe=True, sources=False)
         if lk.probe is not None:
@@ -358,11 +284,11 @@ class Catalog(Engine):
         would come from), so that the lookup finds the answer in. Never blocks."""
         if not self.tiers or lk.phase is not Phase.NEW or lk.ahead is not None or not lk.lks:
             return
-        where = self.locate_local(lk.lks, lk.tenant)
-        gaps = [i for i, w in enumerate(where) if w is None] if self.has_remote else []
+        where = self._where.locate_local(lk.lks, lk.tenant)
+        gaps = [i for i, w in enumerate(where) if w is None] if self._where.has_remote else []
         held = []
         if self._sources_needed():
-            held = [(k, w) for k, w in zip(lk.lks, where, strict=True) if w in self._local_names()]
+            held = [(k, w) for k, w in zip(lk.lks, where, strict=True) if w in self._where.local_names()]
         if gaps or held:
             answer = self.probe([lk.lks[i] for i in gaps], held, lk.tenant, remote=bool(gaps))
             lk.ahead = Ahead(answer, gaps)
@@ -482,23 +408,23 @@ class Catalog(Engine):
         Without a remote tier and nothing to ask of the found chunks, a gap is a miss at once and
         the local tiers are asked in the background for the next lookup."""
         lk.first = first
-        lk.where = self.locate_local(lk.lks[first:], lk.tenant)
+        lk.where = self._where.locate_local(lk.lks[first:], lk.tenant)
         keys = lk.lks[first:]
         gaps = [i for i, w in enumerate(lk.where) if w is None]
         ahead, lk.ahead = lk.ahead, None  # used once
-        if gaps and self.has_remote and not probe:
-            remote = self._remote_tiers()[0][0]
+        if gaps and self._where.has_remote and not probe:
+            remote = self._where.remote_tiers()[0][0]
             for i in gaps:
                 lk.where[i] = remote
             gaps = []
         held = []
         if sources and self._sources_needed():
-            held = [(keys[i], w) for i, w in enumerate(lk.where) if w in self._local_names()]
-        ask_remote = bool(gaps) and self.has_remote
+            held = [(keys[i], w) for i, w in enumerate(lk.where) if w in self._where.local_names()]
+        ask_remote = bool(gaps) and self._where.has_remote
         if not held and not ask_remote:
-            if gaps and self._local_tiers():
+            if gaps and self._where.local_tiers():
                 missing = [keys[i] for i in gaps]
-                self._promoter.submit(lambda: self.in_slow_many(missing, lk.tenant, remote=False))
+                self._promoter.submit(lambda: self._where.in_slow_many(missing, lk.tenant, remote=False))
             return
         lk.probe_at = gaps
         lk.probe = None
@@ -670,12 +596,6 @@ class Catalog(Engine):
 
     # -- stores --------------------------------------------------------------------------
 
-    def begin_store(
-        self, lk: bytes, tenant: str = SHARED, *, rewrite: bool = False, private: bool = False
-    ) -> Reserved:
-        """:meth:`begin_stores` of one chunk (``rewrite``: even where a slower tier holds it)."""
-        return self.begin_stores([lk], tenant, rewrite=(lk,) if rewrite else (), private=private)[0]
-
     def begin_stores(
         self,
         lks: Sequence[bytes],
@@ -684,86 +604,18 @@ class Catalog(Engine):
         rewrite: Container[bytes] = (),
         private: bool = False,
     ) -> list[Reserved]:
-        """Where to put each new chunk of ``lks``: a reserved pool slot (every rank's; the caller
-        fills and seals each rank's record in it, then calls :meth:`finish_stores`), or, with
-        ``private`` and no slot to spare, a private record buffer for the first served rank. Or
-        why not: HELD (memory or a slower tier holds it, or a store of it is in flight;
-        ``rewrite``: the keys for which a slower tier's copy does not count, as for a chunk a hit
-        left to recompute, which then goes into memory) or NO_ROOM (counted). A chunk already in
-        memory that a slower tier may lack is queued for it again. The memory tier is asked twice
-        for all of them (which are resident, then the slots for the others), not for each: the
-        host pool's questions are round trips. Never blocks."""
-        out: list[Reserved | None] = [None] * len(lks)
-        resident = self.memory.pin_each(lks) if lks else {}
-        release: list[int] = []
-        for i, slot in resident.items():
-            out[i] = HELD
-            if self.tiers and self._cascade.needed(lks[i], tenant):
-                self._cascade.submit(lks[i], slot, tenant)
-            else:
-                release.append(slot)
-        self.memory.unpin(release)
-        todo = [
-            i
-            for i, lk in enumerate(lks)
-            if out[i] is None and (lk in rewrite or not self._held_below(lk, tenant))
-        ]
-        with self._storing_lock:
-            mine = [i for i in todo if lks[i] not in self._storing]
-            self._storing.update(lks[i] for i in mine)
-        slots = self.memory.reserve_many(len(mine)) if self.pools and mine else []
-        for i, slot in zip(mine, slots, strict=False):
-            out[i] = slot
-        with self._storing_lock:
-            for i in mine[len(slots) :]:
-                self._storing.discard(lks[i])
-                out[i] = NO_ROOM
-        if private and self.tiers:
-            with self._storing_lock:
-                for i, o in enumerate(out):
-                    if o is NO_ROOM:
-                        out[i] = self._spare.pop() if self._spare else mmap.mmap(-1, self.record_bytes)
-        return [HELD if o is None else o for o in out]
+        """See :meth:`Stores.begin_stores`."""
+        return self._stores.begin_stores(lks, tenant, rewrite=rewrite, private=private)
 
     def finish_stores(self, done: Sequence[tuple[bytes, StoreTarget, bool, str]]) -> list[bool]:
-        """Each ``(lk, target, ok, tenant)`` a :meth:`begin_stores` handed out is filled and sealed on
-        every rank (``ok``) or given up. A slot becomes visible and is queued for the slower tiers
-        unless they all hold ``lk`` (the slots committed with one question to the memory tier); a
-        private record is queued for them. Per store: False (and the slot freed) if not ``ok``, if
-        another writer committed ``lk`` first, if the memory tier was reset since, or if the
-        write-behind's queue had no room for a private record."""
-        out = [False] * len(done)
-        commits: list[tuple[int, int, bool]] = []  # (index in done, slot, cascade)
-        with self._storing_lock:
-            for lk, _, _, _ in done:
-                self._storing.discard(lk)
-        for i, (lk, target, ok, tenant) in enumerate(done):
-            if isinstance(target, mmap.mmap):
-                out[i] = ok and self._cascade.submit(lk, target, tenant)
-            elif not ok:
-                self.memory.abort(target)
-            else:
-                commits.append((i, target, bool(self.tiers) and self._cascade.needed(lk, tenant)))
-        got = self.memory.commit_many([(slot, done[i][0], keep) for i, slot, keep in commits])
-        for (i, slot, cascade), ok in zip(commits, got, strict=True):
-            if not ok:
-                continue
-            out[i] = True
-            self.memory.counters.add("writes")
-            self.memory.counters.add("bytes_written", self.payload_bytes)
-            if cascade:
-                self._cascade.submit(done[i][0], slot, done[i][3])
-        return out
+        """See :meth:`Stores.finish_stores`."""
+        return self._stores.finish_stores(done)
 
-    def _held_below(self, lk: bytes, tenant: str) -> bool:
-        """A slower tier holds ``lk`` for every rank: a local one by its index, a remote one as far
-        as this process knows without asking (see ``Tier.held``)."""
-        if self.held_locally(lk, tenant) is not None:
-            return True
-        return any(
-            all(t.held(self.record_key(i, lk), tenant) for i, t in enumerate(ts))
-            for _, ts in self._remote_tiers()
-        )
+    def begin_store(
+        self, lk: bytes, tenant: str = SHARED, *, rewrite: bool = False, private: bool = False
+    ) -> Reserved:
+        """:meth:`begin_stores` of one chunk (``rewrite``: even where a slower tier holds it)."""
+        return self.begin_stores([lk], tenant, rewrite=(lk,) if rewrite else (), private=private)[0]
 
     def finish_store(self, lk: bytes, target: StoreTarget, ok: bool, tenant: str = SHARED) -> bool:
         """:meth:`finish_stores` of one store."""
@@ -853,7 +705,7 @@ class Catalog(Engine):
         default: memory and the local tiers. A remote tier is cleared only when named: it is
         shared with other engines."""
         if tiers is None:
-            tiers = (MEMORY, *self._local_names())
+            tiers = (MEMORY, *self._where.local_names())
         if MEMORY in tiers:
             self.memory.reset()
         named = [ts for n, ts in self.tiers.items() if n in tiers]
