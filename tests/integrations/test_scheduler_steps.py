@@ -363,7 +363,7 @@ def test_a_hit_waits_for_room_that_other_requests_hold_instead_of_coming_out_sho
 def test_a_hit_waits_for_room_only_so_long_then_comes_out_short(
     make_sim: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("hpkv.engine.catalog.ROOM_WAIT_S", 0.3)
+    monkeypatch.setattr("hpkv.engine.lookups.ROOM_WAIT_S", 0.3)
     sim = with_slots(make_sim, 8, storage_io_threads=1)
     mine = prompt(4, seed=23)
     assert sim.cold("a", mine) == 4
