@@ -5,9 +5,13 @@ library user's :class:`hpkv.KVStore` (one rank), SGLang's storage backend. It ow
 of the ranks it serves (slot s holds chunk k in every rank's pool file, each rank's own shard under
 its own record key) and one instance per rank of every slower tier the configuration names (built
 through :mod:`hpkv.tiers.base`'s registry, so adding a tier touches no code here). It talks to
-those tiers only through the ``Tier`` protocol.
+those tiers only through the ``Tier`` protocol. It wires the parts and delegates to them: where a
+chunk is (:mod:`hpkv.engine.locator`), the lookup's steps (:mod:`hpkv.engine.lookups`), the stores'
+reservations (:mod:`hpkv.engine.stores`), promotions (:mod:`hpkv.engine.promotion`), the write-behind
+(:mod:`hpkv.engine.cascade`) and what loads cost (:mod:`hpkv.engine.costs`).
 
-Both integrations use one interface (nothing else of this class is theirs to call):
+The integrations call it only through :mod:`hpkv.engine.interface` (its core, :class:`Engine`, and
+the interfaces beside it that each needs); the core's pairs:
 
 * **lookup** — :meth:`Catalog.lookup` answers a :class:`~hpkv.engine.lookup.Lookup` with ``Hit``,
   ``Pending`` (ask again) or ``Miss``. Memory and the local tiers are asked per key, the remote
@@ -50,8 +54,9 @@ from hpkv.engine.interface import (
     MEMORY,
     Answer,
     Arrivals,
-    Engine,
+    InProcessEngine,
     Reserved,
+    SteppedEngine,
     StoreTarget,
 )
 from hpkv.engine.locator import Locator
@@ -72,7 +77,7 @@ log = logging.getLogger(__name__)
 # runs without the GIL; it is page-aligned too (O_DIRECT writes).
 
 
-class Catalog(Engine):
+class Catalog(InProcessEngine, SteppedEngine):
     def __init__(
         self,
         config: HpkvConfig,

@@ -1,7 +1,13 @@
 """The engine's one interface: what an adapter (vLLM's scheduler, the in-process path under
 :class:`hpkv.KVStore` and SGLang's backend) may call, and the typed results it gets back.
 
-An adapter holds an :class:`Engine` and :class:`~hpkv.engine.lookup.Lookup` handles. It reads of a
+:class:`Engine` is the core every adapter uses: keys and existence, the lookup and its load, the
+store pair, reset, stats and close. Beside it, each adapter takes the one interface its engine
+needs: :class:`EngineSteps` (an engine with a step loop: vLLM), :class:`InProcessCopies` (a caller
+that holds the bytes in this process: the library, SGLang) and :class:`Upkeep` (the pool files, the
+write-behind's progress, flush and stop).
+
+An adapter holds such an engine and :class:`~hpkv.engine.lookup.Lookup` handles. It reads of a
 Lookup only what the caller gave it (``lks``, ``tenant``) and :meth:`Lookup.pending_io`; what a
 call did is in its result (:class:`Asked` on every answer, :class:`Arrivals`), never in the
 engine's fields. ``tests/engine/test_adapters.py`` fails when an adapter reaches past this.
@@ -230,7 +236,43 @@ class Engine(abc.ABC):
         sealed (``ok``) or given up: per store, whether the chunk is now held (visible in memory, or
         queued for the slower tiers). Never blocks."""
 
-    # -- in-process copies (a caller that holds the bytes in this process) ---------------
+    # -- housekeeping ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def clear(self, tiers: tuple[str, ...] | None = None) -> None:
+        """Forget the chunks of the named tiers; default: memory and the local tiers (a remote one
+        only when named: it is shared)."""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per tier counters (see :meth:`hpkv.engine.catalog.Catalog.stats`)."""
+
+    @abc.abstractmethod
+    def close(self, limit: float | None = None) -> None:
+        """Write what is queued (for at most ``limit`` seconds), stop, close every tier. Idempotent."""
+
+
+class EngineSteps(abc.ABC):
+    """How an engine with a step loop (vLLM's scheduler) tells hpkv when it computes, so that the
+    write-behind and the promotions stay out of its steps."""
+
+    @abc.abstractmethod
+    def step_scheduled(self, computes: bool) -> None:
+        """The engine scheduled a step, computing or not (the write-behind waits for idle time)."""
+
+    @abc.abstractmethod
+    def step_done(self, computed: bool | None = None) -> None:
+        """A scheduled step's output is back."""
+
+    @property
+    @abc.abstractmethod
+    def engine_busy_now(self) -> bool:
+        """Whether the engine computes a step now, as announced."""
+
+
+class InProcessCopies(abc.ABC):
+    """For a caller that holds the bytes in this process (the library, SGLang): the records behind
+    the slots :meth:`Engine.lookup` and :meth:`Engine.begin_stores` hand out."""
 
     @abc.abstractmethod
     def slot_payload(self, slot: int, lk: bytes) -> torch.Tensor | None:
@@ -263,22 +305,10 @@ class Engine(abc.ABC):
 
     io_threads: int
 
-    # -- the engine's steps (vLLM) ------------------------------------------------------
 
-    @abc.abstractmethod
-    def step_scheduled(self, computes: bool) -> None:
-        """The engine scheduled a step, computing or not (the write-behind waits for idle time)."""
-
-    @abc.abstractmethod
-    def step_done(self, computed: bool | None = None) -> None:
-        """A scheduled step's output is back."""
-
-    @property
-    @abc.abstractmethod
-    def engine_busy_now(self) -> bool:
-        """Whether the engine computes a step now, as announced."""
-
-    # -- memory pool files (vLLM's workers map them) -------------------------------------
+class Upkeep(abc.ABC):
+    """What an engine's process does around the data path: the pool files its workers map, the
+    write-behind's progress, a flush and a stop."""
 
     @property
     @abc.abstractmethod
@@ -288,17 +318,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def unlink_pool_files(self) -> None:
         """Every process that needs the pool files has mapped them: remove their names."""
-
-    # -- housekeeping ----------------------------------------------------------------------
-
-    @abc.abstractmethod
-    def clear(self, tiers: tuple[str, ...] | None = None) -> None:
-        """Forget the chunks of the named tiers; default: memory and the local tiers (a remote one
-        only when named: it is shared)."""
-
-    @abc.abstractmethod
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Per tier counters (see :meth:`hpkv.engine.catalog.Catalog.stats`)."""
 
     @abc.abstractmethod
     def write_behind(self) -> dict[str, int]:
@@ -312,6 +331,10 @@ class Engine(abc.ABC):
     def stopping(self) -> None:
         """The engine is stopping: the write-behind writes at once from now on."""
 
-    @abc.abstractmethod
-    def close(self, limit: float | None = None) -> None:
-        """Write what is queued (for at most ``limit`` seconds), stop, close every tier. Idempotent."""
+
+class InProcessEngine(Engine, InProcessCopies, abc.ABC):
+    """The engine as the library and SGLang's backend use it (:mod:`hpkv.integrations.library`)."""
+
+
+class SteppedEngine(Engine, EngineSteps, Upkeep, abc.ABC):
+    """The engine as vLLM's scheduler uses it (:mod:`hpkv.integrations.vllm.scheduler`)."""

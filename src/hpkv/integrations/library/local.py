@@ -21,7 +21,7 @@ import torch
 
 from hpkv.core import record
 from hpkv.core.keys import SHARED_TENANT as SHARED
-from hpkv.engine.interface import NO_ROOM, Engine, Miss, Pending, Refused
+from hpkv.engine.interface import NO_ROOM, InProcessEngine, Miss, Pending, Refused
 from hpkv.engine.lookup import GIVE_UP_S, Lookup
 
 # consume(chunk_index, payload) reads a verified payload (uint8, canonical layout, this rank's);
@@ -35,7 +35,7 @@ Into = Callable[[int], "list[memoryview] | None"]
 
 
 def load(
-    eng: Engine,
+    eng: InProcessEngine,
     lks: list[bytes],
     consume: Consume,
     tenant: str = SHARED,
@@ -106,7 +106,7 @@ def load(
     return k
 
 
-def _from_slot(eng: Engine, slot: int, i: int, lk: bytes, consume: Consume, *, hit: bool) -> bool:
+def _from_slot(eng: InProcessEngine, slot: int, i: int, lk: bytes, consume: Consume, *, hit: bool) -> bool:
     """Consume the chunk in its pinned slot, its header checked, and release the slot. ``hit``: it
     was in memory when found (a memory hit); a promoted chunk is a hit of the tier it came from."""
     payload = eng.slot_payload(slot, lk)
@@ -122,12 +122,19 @@ def _from_slot(eng: Engine, slot: int, i: int, lk: bytes, consume: Consume, *, h
 
 
 def _private_many(
-    eng: Engine, which: list[int], keys: list[bytes], consume: Consume, tenant: str, into: Into | None
+    eng: InProcessEngine,
+    which: list[int],
+    keys: list[bytes],
+    consume: Consume,
+    tenant: str,
+    into: Into | None,
 ) -> dict[int, bool]:
     return {i: _private(eng, i, keys[i], consume, tenant, into) for i in which}
 
 
-def _private(eng: Engine, i: int, lk: bytes, consume: Consume, tenant: str, into: Into | None) -> bool:
+def _private(
+    eng: InProcessEngine, i: int, lk: bytes, consume: Consume, tenant: str, into: Into | None
+) -> bool:
     pieces = into(i) if into is not None else None
     if pieces is not None and eng.read_direct(lk, pieces):
         return True
@@ -138,7 +145,7 @@ def _private(eng: Engine, i: int, lk: bytes, consume: Consume, tenant: str, into
     return True
 
 
-def store(eng: Engine, lks: list[bytes], produce: Produce, tenant: str = SHARED) -> int:
+def store(eng: InProcessEngine, lks: list[bytes], produce: Produce, tenant: str = SHARED) -> int:
     """Store each chunk whose payload ``produce`` writes (the engine serves one rank); return how
     many leading chunks are now held (in memory, or queued for or held by a slower tier). Chunks
     already held are not rewritten; nothing here waits on a remote server."""

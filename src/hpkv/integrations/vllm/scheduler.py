@@ -19,7 +19,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.keys import Namespace
 from hpkv.engine.catalog import Catalog
 from hpkv.engine.costs import RateMemo
-from hpkv.engine.interface import MEMORY, NO_ROOM, Asked, Engine, Hit, Miss
+from hpkv.engine.interface import MEMORY, NO_ROOM, Asked, Hit, Miss, SteppedEngine
 from hpkv.engine.lookup import Lookup
 from hpkv.integrations.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
@@ -82,7 +82,7 @@ class HpkvScheduler:
         self.load_enabled = load
         self.gpu = gpu
         self.store_enabled = store
-        self.catalog: Engine = Catalog(
+        self.catalog: SteppedEngine = Catalog(
             config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools
         )
         self.identity = IdentityReader(namespace.logical_digest, self.chunk_size, config.salt)
