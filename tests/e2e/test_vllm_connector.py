@@ -240,7 +240,8 @@ def test_every_metric_the_grafana_dashboard_queries_is_served(server: Server) ->
 def test_benchmark_marks_a_memory_row_invalid_when_the_engine_served_it(server: Server) -> None:
     """The TTFT benchmark's proof: without /reset_prefix_cache the engine's own cache answers,
     so a row claiming "memory" must come out INVALID rather than be reported."""
-    from hpkv.bench.ttft import letter_prompts, run_scenario
+    from hpkv.bench.prompts import letter_prompts
+    from hpkv.bench.ttft import run_scenario
     from hpkv.bench.verify import Expect
 
     prompts = letter_prompts(2, 1024)

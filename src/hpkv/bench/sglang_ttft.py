@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -41,18 +40,12 @@ import time
 from typing import Any
 
 from hpkv.bench.profile import Recorder, describe, summarize
+from hpkv.bench.prompts import in_turn, random_prompts
 from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps, warm_page_cache
 from hpkv.bench.server import ServerError, bench_env, counter, first_error
 from hpkv.bench.sglang_report import L3_TIERS, SCENARIOS, Result, Row, report, write_json
 from hpkv.bench.sglang_server import BACKENDS, Reply, SGLangServer
 from hpkv.core.config import HpkvConfig
-
-
-def prompts_of(model: str, n: int, tokens: int, seed: int = 1000) -> list[str]:
-    """``n`` prompts of ``tokens`` random vocabulary words (one token each with the demo tokenizer)."""
-    with open(os.path.join(model, "hpkv-words.txt")) as f:
-        words = f.read().split()
-    return [" ".join(random.Random(seed + i).choices(words, k=tokens)) for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         model = os.path.join(args.out, f"demo-model-{args.size}")
         if not os.path.exists(os.path.join(model, "config.json")):
             write_demo_model(model, args.size, weights=args.load_format != "dummy")
-    prompts = prompts_of(model, args.prompts, args.tokens)
+    prompts = random_prompts(model, args.prompts, args.tokens)
     log: list[dict[str, Any]] = []
     results: list[Result] = []
     if args.interleave and len(systems) > 1:
@@ -151,13 +144,13 @@ def interleaved(
         host: dict[int, list[Reply]] = {id(r): [] for r in runners}
         if "prefill" in shared:
             for i, p in enumerate(runners[0].prompts):
-                for r in runners if i % 2 == 0 else runners[::-1]:
+                for r in in_turn(runners, i):
                     cold[id(r)].append(r.send("prefill", p))
                     if "gpu" in shared:
                         hot[id(r)].append(r.send("gpu", p))
         if "host" in shared:
             for i, p in enumerate(runners[0].prompts):
-                for r in runners if i % 2 == 0 else runners[::-1]:
+                for r in in_turn(runners, i):
                     host[id(r)].append(r.send("host", p))
         for r in runners:
             if cold[id(r)]:
@@ -200,7 +193,7 @@ class Runner:
         self.shm = tempfile.mkdtemp(prefix="hpkv-sgl-", dir="/dev/shm")
         self.valkey: Any = None
         self.server: SGLangServer | None = None
-        self.warmup = prompts_of(model, 1, 4 * args.page_size, seed=999)[0]
+        self.warmup = random_prompts(model, 1, 4 * args.page_size, seed=999)[0]
         self.pages = (args.tokens - 1) // args.page_size  # pages a hit can serve (the last token is computed)
         self.served = self.pages * args.page_size
 

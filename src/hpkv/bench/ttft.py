@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import string
 import sys
 import tempfile
 import time
@@ -57,6 +55,7 @@ from dataclasses import asdict, replace
 from typing import Any
 
 from hpkv.bench.demo_model import SIZES
+from hpkv.bench.prompts import in_turn, letter_prompts, random_prompts
 from hpkv.bench.refs import drop_page_cache, memory_reference, raw_glide_gbps, raw_read_gbps
 from hpkv.bench.report import chart, kv_bytes_per_prompt, print_comparison, print_system
 from hpkv.bench.server import Server, ServerError, bench_env, first_error
@@ -75,10 +74,6 @@ def model_dtype(model: str) -> str:
         return str(cfg.get("dtype") or cfg.get("torch_dtype") or "auto")
     except (OSError, ValueError):
         return "auto"
-
-
-def letter_prompts(n: int, tokens: int) -> list[str]:
-    return [" ".join([chr(ord("A") + i % 26)] * tokens) for i in range(n)]
 
 
 class Measured:
@@ -170,19 +165,6 @@ def run_scenario(
         m.send(p, progress)
         time.sleep(pause)
     return m.row(where)
-
-
-def random_prompts(model: str, n: int, tokens: int) -> list[str]:
-    """Prompts of random vocabulary words (one token each with the demo tokenizer), one seed each."""
-    words_file = os.path.join(model, "hpkv-words.txt")
-    if os.path.exists(words_file):
-        with open(words_file) as f:
-            words = f.read().split()
-    else:
-        words = [
-            "".join(random.Random(i).choice(string.ascii_lowercase) for _ in range(6)) for i in range(5000)
-        ]
-    return [" ".join(random.Random(1000 + i).choice(words) for _ in range(tokens)) for i in range(n)]
 
 
 def peer_json(system: str, pool_size: str) -> str | None:
@@ -373,7 +355,7 @@ def interleaved(runners: list[Runner], scenarios: list[str]) -> list[System]:
             taking = [r for r in live if name in plans[id(r)]]
             rows = {id(r): r.begin(name) for r in taking}
             for i, p in enumerate(taking[0].prompts if taking else []):
-                for r in taking if i % 2 == 0 else taking[::-1]:
+                for r in in_turn(taking, i):
                     for other in taking:
                         assert other.server is not None
                         other.server.quiet()
