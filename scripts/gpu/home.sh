@@ -12,12 +12,12 @@
   --upgrade --target /root/site "$HOME_TREE" > /dev/null 2>&1
 python3 -c "import hpkv, os; print('hpkv from', os.path.dirname(hpkv.__file__))"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-[ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b > $OUT/model.log 2>&1 || exit 1
+[ -d $M7B ] || python3 -m hpkv.cli.main demo-model $M7B --size 7b > $OUT/model.log 2>&1 || exit 1
 [ "${HOME_PROBE:-1}" = 1 ] && timeout 90 python3 scripts/gpu/probe_copy.py 10 2>&1 | tail -14
 mkdir -p $OUT/trace
 export HPKV_STEP_TRACE=$OUT/trace
 # Interleaved: the three servers share the GPU (0.3 of its memory each), requests alternate.
-timeout ${HOME_TIMEOUT:-470} python3 -m hpkv.cli.main bench ttft --model /root/m7b \
+timeout ${HOME_TIMEOUT:-470} python3 -m hpkv.cli.main bench ttft --model $M7B \
   --vllm-args="--gpu-memory-utilization 0.3" --compare ${HOME_COMPARE:-hpkv,native,none} --interleave \
   --scenarios prefill,gpu,memory --prompt-kind random --prompts ${HOME_PROMPTS:-10} --pool-size 8G \
   ${HOME_ARGS:-} \

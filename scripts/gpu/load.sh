@@ -7,8 +7,8 @@
 # --valkey" (faults under load) or "--logprobs 5" with VLLM_BATCH_INVARIANT=1 in the caller's environment
 # (vLLM's batch-invariant kernels and each token's log-probabilities: the text check against vLLM alone).
 . scripts/gpu/env.sh
-[ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
-timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model /root/m7b \
+[ -d $M7B ] || python3 -m hpkv.cli.main demo-model $M7B --size 7b || exit 1
+timeout ${LOAD_TIMEOUT:-560} python3 -m hpkv.cli.main bench serve --model $M7B \
   --compare ${LOAD_COMPARE:-hpkv,none} --users 16 --context 8192 --turns ${LOAD_TURNS:-3} \
   --repeat ${LOAD_REPEAT:-1} \
   --concurrency ${LOAD_LEVELS:-16} --engine-blocks 1000 --pool-size 4G --vllm-args="--enforce-eager" \

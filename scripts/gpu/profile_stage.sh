@@ -8,9 +8,9 @@
 . scripts/gpu/env.sh
 SPY=${SPY:-/root/site/bin/py-spy}
 [ -x $SPY ] || { echo "py-spy missing: put its wheel in .whl/"; exit 1; }
-[ -d /root/m7b ] || python3 -m hpkv.cli.main demo-model /root/m7b --size 7b || exit 1
+[ -d $M7B ] || python3 -m hpkv.cli.main demo-model $M7B --size 7b || exit 1
 P=$OUT/prof; mkdir -p $P
-python3 -m hpkv.cli.main bench ttft --model /root/m7b --vllm-args="${TTFT_VLLM_ARGS---enforce-eager}" \
+python3 -m hpkv.cli.main bench ttft --model $M7B --vllm-args="${TTFT_VLLM_ARGS---enforce-eager}" \
   --compare hpkv --scenarios prefill,gpu,storage --prompt-kind random --prompts ${PROF_PROMPTS:-24} \
   --pool-size 24G --out $P/ttft > $P/ttft.log 2>&1 &
 B=$!
