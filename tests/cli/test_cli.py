@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from hpkv.cli.serve import vllm_command
 
 
@@ -76,6 +78,30 @@ def test_a_config_only_demo_model_is_what_an_engine_with_random_weights_reads(tm
     assert cfg["architectures"] == ["Qwen2ForCausalLM"] and cfg["num_hidden_layers"] == 4
     assert {"tokenizer.json", "tokenizer_config.json", "hpkv-words.txt"} <= set(os.listdir(tmp_path))
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "qwen3-next", "jamba", "deepseek-v3"])
+def test_demo_models_of_each_family_have_their_familys_layers(tmp_path: Path, arch: str) -> None:
+    """``--arch``: a small model of the family, with the layer kinds that make it that family, and the
+    demo tokenizer (so its prompts are as many tokens as words)."""
+    from hpkv.bench.demo_archs import ARCHS
+    from hpkv.bench.demo_model import load_words, write_demo_model
+
+    write_demo_model(str(tmp_path), arch=arch)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == [ARCHS[arch].model]
+    kinds = {
+        "gemma3": lambda c: {"sliding_attention", "full_attention"} == set(c["layer_types"]),
+        "gpt-oss": lambda c: {"sliding_attention", "full_attention"} == set(c["layer_types"]),
+        "qwen3-next": lambda c: {"linear_attention", "full_attention"} == set(c["layer_types"]),
+        "jamba": lambda c: c["attn_layer_period"] == 4 and c["num_hidden_layers"] == 4,
+        "deepseek-v3": lambda c: c["kv_lora_rank"] == 64 and c["qk_rope_head_dim"] == 16,
+    }
+    assert kinds[arch](cfg), cfg
+    assert [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
+    assert len(load_words(str(tmp_path))) > 1000
+    r = run("demo-model", str(tmp_path / "x"), "--arch", "mamba-9")
+    assert r.returncode != 0 and "mamba-9" in r.stderr and "gemma3" in r.stderr
 
 
 def test_tenant_prefix_is_the_one_the_valkey_tier_writes_under() -> None:

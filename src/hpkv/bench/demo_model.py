@@ -1,4 +1,5 @@
-"""``hpkv demo-model DIR``: a random-weight Qwen2 model and a tokenizer, built offline.
+"""``hpkv demo-model DIR``: a random-weight model (Qwen2, or another family: ``--arch``) and a
+tokenizer, built offline.
 
 Random weights give real KV shapes and real prefill compute, which is all a KV
 cache benchmark needs; nothing is downloaded. The tokenizer is byte-level BPE
@@ -17,6 +18,8 @@ import os
 import random
 from dataclasses import dataclass
 from typing import Any
+
+from hpkv.bench.demo_archs import ARCHS
 
 SIZES = {
     # 4 layers × 2 KV heads × 64: 2 KiB of KV per token in bf16 (4 KiB in fp32); fast enough for tests.
@@ -54,6 +57,7 @@ SIZES = {
         "num_key_value_heads": 4,
     },
 }
+QWEN2 = "qwen2"  # the default family: dense, full attention
 NUM_WORDS = 3000
 MAX_POSITIONS = 32768
 
@@ -116,10 +120,18 @@ def default_dtype() -> str:
 
 
 def write_demo_model(
-    path: str, size: str = "tiny", seed: int = 0, dtype: str | None = None, *, weights: bool = True
+    path: str,
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str | None = None,
+    *,
+    weights: bool = True,
+    arch: str = QWEN2,
 ) -> DemoModel:
     """Write config, random weights (safetensors) and tokenizer files to ``path``; ``weights=False``
-    leaves the weights out, for an engine that makes random ones itself (``--load-format dummy``)."""
+    leaves the weights out, for an engine that makes random ones itself (``--load-format dummy``).
+    ``arch``: Qwen2 in the shape ``size``, or one of :data:`hpkv.bench.demo_archs.ARCHS` (its own
+    small shape)."""
     import importlib
 
     import torch
@@ -128,6 +140,8 @@ def write_demo_model(
 
     if size not in SIZES:
         raise ValueError(f"--size {size!r} is not one of {', '.join(SIZES)}")
+    if arch != QWEN2 and arch not in ARCHS:
+        raise ValueError(f"--arch {arch!r} is not one of {', '.join([QWEN2, *ARCHS])}")
     dtype = dtype or default_dtype()
     os.makedirs(path, exist_ok=True)
     words = vocabulary_words()
@@ -147,20 +161,31 @@ def write_demo_model(
             f,
             indent=1,
         )
-    kwargs: dict[str, Any] = dict(
+    shared: dict[str, Any] = dict(
         vocab_size=padded_vocab,
         max_position_embeddings=MAX_POSITIONS,
-        max_window_layers=SIZES[size]["num_hidden_layers"],
         tie_word_embeddings=True,
-        rope_theta=1_000_000.0,
         eos_token_id=0,
         bos_token_id=0,
+        pad_token_id=0,
         dtype=dtype,
-        **SIZES[size],
     )
-    cfg = transformers.Qwen2Config(**kwargs)
+    if arch == QWEN2:
+        config_cls, model_name = transformers.Qwen2Config, "Qwen2ForCausalLM"
+        kwargs = dict(
+            shared,
+            max_window_layers=SIZES[size]["num_hidden_layers"],
+            rope_theta=1_000_000.0,
+            **SIZES[size],
+        )
+    else:
+        a = ARCHS[arch]
+        config_cls, model_name = getattr(transformers, a.config), a.model
+        kwargs = dict(shared, **a.kwargs)
+    cfg = config_cls(**kwargs)
+    model_cls = getattr(transformers, model_name)
     if not weights:
-        cfg.architectures = ["Qwen2ForCausalLM"]  # what saving a model records; engines read it
+        cfg.architectures = [model_name]  # what saving a model records; engines read it
         cfg.save_pretrained(path)
         with open(os.path.join(path, "hpkv-words.txt"), "w") as f:
             f.write("\n".join(words) + "\n")
@@ -172,7 +197,7 @@ def write_demo_model(
     torch.set_default_dtype(getattr(torch, dtype))
     try:
         with torch.device(device):
-            model = transformers.Qwen2ForCausalLM(cfg)
+            model = model_cls(cfg)
         model.save_pretrained(path, safe_serialization=True)
         del model
         if device == "cuda":

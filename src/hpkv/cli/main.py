@@ -8,7 +8,8 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from hpkv.bench.demo_model import SIZES
+from hpkv.bench.demo_archs import ARCHS
+from hpkv.bench.demo_model import QWEN2, SIZES
 
 if TYPE_CHECKING:
     from hpkv.core.config import HpkvConfig
@@ -42,9 +43,15 @@ def _main(argv: list[str] | None = None) -> int:
     s.add_argument("--served-model-name", default=None)
     s.add_argument("--max-model-len", type=int, default=None)
 
-    d = sub.add_parser("demo-model", help="write a random-weight Qwen2 model and tokenizer (offline)")
+    d = sub.add_parser("demo-model", help="write a random-weight model and tokenizer (offline)")
     d.add_argument("dir")
-    d.add_argument("--size", choices=list(SIZES), default="small")
+    d.add_argument("--size", choices=list(SIZES), default="small", help="the Qwen2 model's shape")
+    d.add_argument(
+        "--arch",
+        choices=[QWEN2, *ARCHS],
+        default=QWEN2,
+        help="model family: qwen2 (dense, full attention) or a small model of another family",
+    )
     d.add_argument(
         "--config-only",
         action="store_true",
@@ -119,9 +126,10 @@ def _main(argv: list[str] | None = None) -> int:
     if a.cmd == "demo-model":
         from hpkv.bench.demo_model import write_demo_model
 
-        m = write_demo_model(a.dir, a.size, weights=not a.config_only)
-        what = "a Qwen2 config" if a.config_only else "a random-weight Qwen2"
-        print(f"wrote {what} ({a.size}) and a tokenizer to {m.path}")
+        m = write_demo_model(a.dir, a.size, weights=not a.config_only, arch=a.arch)
+        model = f"Qwen2 ({a.size})" if a.arch == QWEN2 else ARCHS[a.arch].model
+        what = f"a {model} config" if a.config_only else f"a random-weight {model}"
+        print(f"wrote {what} and a tokenizer to {m.path}")
         return 0
     if a.cmd == "stats":
         return _stats(a.dir, a.json)
