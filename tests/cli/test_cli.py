@@ -80,7 +80,7 @@ def test_a_config_only_demo_model_is_what_an_engine_with_random_weights_reads(tm
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "qwen3-next", "jamba", "deepseek-v3"])
+@pytest.mark.parametrize("arch", ["gemma3", "gpt-oss", "qwen3-next", "nemotron-h", "jamba", "deepseek-v3"])
 def test_demo_models_of_each_family_have_their_familys_layers(tmp_path: Path, arch: str) -> None:
     """``--arch``: a small model of the family, with the layer kinds that make it that family, and the
     demo tokenizer (so its prompts are as many tokens as words)."""
@@ -95,7 +95,8 @@ def test_demo_models_of_each_family_have_their_familys_layers(tmp_path: Path, ar
         "gpt-oss": lambda c: {"sliding_attention", "full_attention"} == set(c["layer_types"]),
         "qwen3-next": lambda c: {"linear_attention", "full_attention"} == set(c["layer_types"]),
         "jamba": lambda c: c["attn_layer_period"] == 4 and c["num_hidden_layers"] == 4,
-        "deepseek-v3": lambda c: c["kv_lora_rank"] == 64 and c["qk_rope_head_dim"] == 16,
+        "nemotron-h": lambda c: {"linear_attention", "full_attention"} <= set(c["layers_block_type"]),
+        "deepseek-v3": lambda c: c["kv_lora_rank"] == 512 and c["qk_rope_head_dim"] == 64,
     }
     assert kinds[arch](cfg), cfg
     assert [n for n in os.listdir(tmp_path) if n.endswith(".safetensors")]
