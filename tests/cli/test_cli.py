@@ -105,6 +105,18 @@ def test_demo_models_of_each_family_have_their_familys_layers(tmp_path: Path, ar
     assert r.returncode != 0 and "mamba-9" in r.stderr and "gemma3" in r.stderr
 
 
+def test_serve_refuses_a_model_with_state_layers_naming_them(tmp_path: Path) -> None:
+    """A linear-attention hybrid would stop vLLM at start with hpkv attached: hpkv serve says why
+    first, and what to do."""
+    from hpkv.bench.demo_model import write_demo_model
+
+    write_demo_model(str(tmp_path), arch="qwen3-next", weights=False)
+    r = run("serve", str(tmp_path))
+    assert r.returncode == 2
+    assert "Qwen3NextForCausalLM" in r.stderr and "linear attention" in r.stderr
+    assert "without hpkv" in r.stderr
+
+
 def test_tenant_prefix_is_the_one_the_valkey_tier_writes_under() -> None:
     from hpkv.core.keys import tenant_tag
 

@@ -10,7 +10,9 @@ hpkv's message rather than deep inside an engine process.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
 
 from hpkv.integrations.vllm.launch import serve_env, vllm_command
 
@@ -21,6 +23,10 @@ def main(a: argparse.Namespace) -> int:
     from hpkv.core.config import HpkvConfig
 
     HpkvConfig.from_env()  # fail early, with hpkv's message, on a bad HPKV_* value
+    why = _model_refusal(a.model)
+    if why:
+        print(f"hpkv serve: {why}", file=sys.stderr)
+        return 2
     cmd = vllm_command(
         a.model,
         port=a.port,
@@ -35,3 +41,15 @@ def main(a: argparse.Namespace) -> int:
     print("hpkv serve:", " ".join(cmd), flush=True)
     os.execvpe(cmd[0], cmd, env)
     return 0  # pragma: no cover
+
+
+def _model_refusal(model: str) -> str | None:
+    """Why hpkv cannot serve ``model`` (a local directory's config.json; a hub name is left to vLLM)."""
+    from hpkv.integrations.vllm.families import refusal
+
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return refusal(cfg) if isinstance(cfg, dict) else None
