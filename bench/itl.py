@@ -31,7 +31,7 @@ from typing import Any
 from hpkv.bench.cold import fresh_prompts
 from hpkv.bench.refs import drop_page_cache
 from hpkv.bench.server import Server, ServerError, bench_env, counter, read_stat, stat_cpu_seconds
-from hpkv.bench.ttft import model_dtype
+from hpkv.bench.ttft_run import model_dtype
 
 CHUNK = 256
 ALONE_WINDOW_S = 0.35  # about as long as a load from storage or valkey takes on the H200

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpkv.bench import ttft
+from hpkv.bench import ttft_run
 from hpkv.bench.server import TUNING_ENV, bench_env
 from hpkv.core.config import _SPECS, HpkvConfig
 
@@ -27,7 +27,7 @@ def test_the_thread_counts_pass_and_the_rest_of_hpkv_does_not(monkeypatch: pytes
     }
     assert env["PATH_FOR_THE_TEST"] == "kept"
     # The storage reference reads with the engine's thread count, from the same variable.
-    assert ttft._io_threads() == 8 == HpkvConfig.from_env().storage_io_threads
+    assert ttft_run._io_threads() == 8 == HpkvConfig.from_env().storage_io_threads
 
 
 def test_every_passed_variable_is_a_setting() -> None:

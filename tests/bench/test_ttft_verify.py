@@ -140,7 +140,7 @@ def test_hpkv_layerwise_is_hpkv_with_its_own_setting() -> None:
     import argparse
 
     from hpkv.bench.serve import SYSTEMS as SERVE_SYSTEMS
-    from hpkv.bench.ttft import SYSTEMS, VARIANT_ENV, Runner
+    from hpkv.bench.ttft_run import SYSTEMS, VARIANT_ENV, Runner
 
     assert "hpkv-layerwise" in SYSTEMS
     assert set(VARIANT_ENV) <= set(SYSTEMS)

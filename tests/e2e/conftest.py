@@ -73,7 +73,7 @@ def make_server(
     )
     if env:
         e.update(env)
-    from hpkv.bench.ttft import model_dtype
+    from hpkv.bench.ttft_run import model_dtype
 
     args = [
         "--max-model-len",

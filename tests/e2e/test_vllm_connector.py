@@ -241,7 +241,7 @@ def test_benchmark_marks_a_memory_row_invalid_when_the_engine_served_it(server: 
     """The TTFT benchmark's proof: without /reset_prefix_cache the engine's own cache answers,
     so a row claiming "memory" must come out INVALID rather than be reported."""
     from hpkv.bench.prompts import letter_prompts
-    from hpkv.bench.ttft import run_scenario
+    from hpkv.bench.ttft_run import run_scenario
     from hpkv.bench.verify import Expect
 
     prompts = letter_prompts(2, 1024)

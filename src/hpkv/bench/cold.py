@@ -31,7 +31,7 @@ import tempfile
 from typing import Any
 
 from hpkv.bench.server import Server, ServerError, bench_env, counter
-from hpkv.bench.ttft import model_dtype
+from hpkv.bench.ttft_run import model_dtype
 
 CHUNK = 256
 

@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
             assert model is not None
             servers = ValkeyServers(cluster=args.cluster, directory=os.path.join(work, "valkey")).start()
             primaries = _Primaries([("127.0.0.1", n.port) for n in servers.nodes])
-            from hpkv.bench.ttft import model_dtype
+            from hpkv.bench.ttft_run import model_dtype
 
             shm = tempfile.mkdtemp(prefix="hpkv-l2-", dir="/dev/shm")
             per_prompt = kv_bytes_per_token(model) * meta["tokens"]

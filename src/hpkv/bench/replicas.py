@@ -34,7 +34,7 @@ def replicated_run(
 
     from hpkv.bench.router import Router
     from hpkv.bench.texts import read_from, served_by
-    from hpkv.bench.ttft import Runner
+    from hpkv.bench.ttft_run import Runner
     from hpkv.bench.verify import Expect, hpkv_deltas
     from hpkv.tiers.memory.hostslots import stop_pool
 

@@ -156,7 +156,7 @@ def one_run(
     """A fresh server for ``system`` (tiers empty), warm-up (``warm``), the load (with ``fault_kind``
     put in place between turns), the counters around it."""
     from hpkv.bench.texts import read_from, served_by
-    from hpkv.bench.ttft import Runner
+    from hpkv.bench.ttft_run import Runner
     from hpkv.bench.verify import Expect, hpkv_deltas
 
     run: dict[str, Any] = {"system": system, "level": level}
