@@ -209,7 +209,7 @@ def test_remote_serde_only_naive() -> None:
 
 
 def test_remote_url_forms_and_no_password_echo() -> None:
-    from hpkv.core.config import parse_remote_url
+    from hpkv.core.remote_url import parse_remote_url
 
     u = parse_remote_url("rediss://alice:p%40ss@h1:7000,h2:7001/3")
     assert u.nodes == (("h1", 7000), ("h2", 7001)) and u.tls

@@ -33,7 +33,7 @@ from typing import Any
 
 from hpkv.bench.valkey import ValkeyServers
 from hpkv.core import record
-from hpkv.core.config import parse_remote_url
+from hpkv.core.remote_url import parse_remote_url
 from hpkv.tiers.valkey import ValkeyConnection, ValkeySettings, ValkeyTier
 from hpkv.tiers.valkey.client import connect
 from hpkv.tiers.valkey.workers import Priority

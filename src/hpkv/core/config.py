@@ -17,14 +17,8 @@ variable or key, the bad value and a good example.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import difflib
-import logging
-import math
 import os
-import re
-import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,29 +27,12 @@ import yaml
 
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.paths import NotARegularFile, read_regular_file
-from hpkv.core.units import parse_bool, parse_size
-
-log = logging.getLogger("hpkv")
+from hpkv.core.remote_url import parse_remote_url
+from hpkv.core.units import parse_bool
+from hpkv.core.values import Spec, convert, shown, unknown_message
 
 ENV_PREFIX = "HPKV_"
 CONFIG_FILE_ENV = "HPKV_CONFIG_FILE"
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """How one setting is read, checked and documented (README's settings table is this table)."""
-
-    env: str  # the HPKV_* variable
-    example: str  # a good value, quoted in every error
-    # "size" | "int" | "optint" | "float" | "bool" | "choice" | "path" | "optpath" | "str" | "optstr" | "url"
-    kind: str
-    help: str  # README's one line
-    shown: str  # the default as README shows it
-    minimum: int | None = None
-    maximum: int | None = None
-    # float: the minimum itself is a value too (0 meaning "off"), not only what is above it
-    minimum_ok: bool = False
-    choices: tuple[str, ...] = ()
 
 
 def _setting(
@@ -70,11 +47,9 @@ def _setting(
     **check: Any,
 ) -> Any:
     """One setting: its default, variable, check and README line, declared once as a field."""
-    spec = _Spec(env, example, kind, help, shown, **check)
+    spec = Spec(env, example, kind, help, shown, **check)
     return field(default=default, repr=not secret, metadata={"spec": spec})
 
-
-REMOTE_SCHEMES = ("valkey", "redis", "valkeys", "rediss")
 
 # YAML / extra_config names that mean the same as a field (LMCache and the
 # lower-cased variable names). Values are (field, converter from their unit).
@@ -459,7 +434,7 @@ class HpkvConfig:
             spec = _SPECS[f.name]
             raw = getattr(self, f.name)
             where = origins.get(f.name, f.name)
-            value = _convert(f.name, spec, raw, where)
+            value = convert(f.name, spec, raw, where)
             object.__setattr__(self, f.name, value)
             if f.name not in origins and value != f.default:
                 origins[f.name] = f.name  # passed as a keyword: name the keyword in later messages
@@ -510,7 +485,7 @@ class HpkvConfig:
             if var in _FOREIGN_ENV:
                 continue
             if var not in known_env:
-                raise HpkvConfigError(_unknown_message(var, [*known_env, CONFIG_FILE_ENV], "variable"))
+                raise HpkvConfigError(unknown_message(var, [*known_env, CONFIG_FILE_ENV], "variable"))
             values[known_env[var]] = raw
             origins[known_env[var]] = var
 
@@ -556,12 +531,12 @@ class HpkvConfig:
 
 
 # Field name -> its setting: the table above, read once.
-_SPECS: dict[str, _Spec] = {
+_SPECS: dict[str, Spec] = {
     f.name: f.metadata["spec"] for f in dataclasses.fields(HpkvConfig) if "spec" in f.metadata
 }
 
 
-def settings() -> list[tuple[str, _Spec]]:
+def settings() -> list[tuple[str, Spec]]:
     """Every setting in declaration order: (field name, how it is read, checked and documented)."""
     return list(_SPECS.items())
 
@@ -646,7 +621,7 @@ def _merge(
                 origins["mem_pool_size"] = describe(str(key))
             continue
         else:
-            raise HpkvConfigError(_unknown_message(describe(str(key)), sorted(names | set(_ALIASES)), "key"))
+            raise HpkvConfigError(unknown_message(describe(str(key)), sorted(names | set(_ALIASES)), "key"))
         values[target] = value
         origins[target] = describe(str(key))
 
@@ -676,187 +651,3 @@ def _check_seed_key(key: str, raw: object, where: str) -> None:
             )
     elif key == "remote_serde" and str(raw).strip().lower() != "naive":
         raise HpkvConfigError(f"{where}={raw!r} is not supported: records are stored raw; use naive")
-
-
-@dataclass(frozen=True)
-class RemoteURL:
-    """A parsed ``remote_url``: seed nodes, TLS, and credentials or database given in the URL."""
-
-    nodes: tuple[tuple[str, int], ...]
-    tls: bool
-    username: str | None
-    password: str | None
-    database: int | None
-
-
-def parse_remote_url(url: str, where: str = "HPKV_REMOTE_URL") -> RemoteURL:
-    """Parse ``valkey://[user:password@]host:port[,host:port...][/db]`` (also redis://;
-    valkeys:// and rediss:// mean TLS). Raises :class:`HpkvConfigError` naming ``where``."""
-
-    def bad(why: str) -> HpkvConfigError:
-        shown = url
-        if "@" in url:  # never echo a password
-            scheme, _, rest = url.partition("://")
-            shown = f"{scheme}://***@{rest.rpartition('@')[2]}"
-        return HpkvConfigError(f"{where}={shown!r} {why}; use e.g. valkey://127.0.0.1:6379")
-
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in REMOTE_SCHEMES:
-        raise bad(f"must start with one of {', '.join(s + '://' for s in REMOTE_SCHEMES)}")
-    netloc, _, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        userinfo, _, netloc = netloc.rpartition("@")
-        user, _, pw = userinfo.partition(":")
-        username = urllib.parse.unquote(user) or None
-        password = urllib.parse.unquote(pw) or None
-    nodes: list[tuple[str, int]] = []
-    for part in netloc.split(","):
-        part = part.strip()
-        if not part:
-            raise bad("has an empty host")
-        if part.count(":") > 1 and "]" not in part:
-            raise bad(f"has a host {part!r} with more than one ':' (an IPv6 address goes in [brackets])")
-        host, colon, port_text = part.rpartition(":") if ":" in part else (part, "", "")
-        if not colon:
-            host, port_text = part, "6379"
-        host = host.strip("[]")
-        if not host:
-            raise bad("has an empty host")
-        if not re.fullmatch(r"[0-9]{1,5}", port_text, re.ASCII):
-            raise bad(f"has a bad port {port_text!r}")
-        port = int(port_text)
-        if not 0 < port < 65536:
-            raise bad(f"has a port {port} outside 1..65535")
-        nodes.append((host, port))
-    database = None
-    path = path.split("?")[0].strip("/")
-    if path:
-        if not re.fullmatch(r"[0-9]{1,7}", path, re.ASCII):
-            raise bad(f"has a database {path!r} that is not a number from 0 to {1 << 20}")
-        database = int(path)
-        if database > 1 << 20:
-            raise bad(f"has a database {database} above {1 << 20}")
-    return RemoteURL(tuple(nodes), scheme.lower().endswith("s"), username, password, database)
-
-
-def _unknown_message(what: str, valid: list[str], noun: str) -> str:
-    name = what.split(" ")[0]
-    close = difflib.get_close_matches(name, valid, n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
-    return f"unknown {noun} {what}; {hint}valid: {', '.join(sorted(valid))}"
-
-
-def shown(raw: Any, limit: int = 48) -> str:
-    """``repr`` of a value for a message, shortened (a 400-digit size must not fill the screen)."""
-    text = repr(raw)
-    return text if len(text) <= limit else f"{text[: limit - 5]}…{text[-4:]}"
-
-
-_INT_RE = re.compile(r"^[+-]?[0-9]+$", re.ASCII)
-_FLOAT_RE = re.compile(r"^[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?$", re.ASCII)
-_relative_logged: set[str] = set()
-
-
-def _has_surrogate(text: str) -> bool:
-    return any("\ud800" <= c <= "\udfff" for c in text)
-
-
-def _convert(name: str, spec: _Spec, raw: Any, where: str) -> Any:
-    def bad(why: str) -> HpkvConfigError:
-        return HpkvConfigError(f"{where}={shown(raw)} {why}; use e.g. {spec.example}")
-
-    if spec.kind == "optint" and (raw is None or (isinstance(raw, str) and raw.strip() == "")):
-        return None
-    if spec.kind == "size":
-        try:
-            return parse_size(raw)
-        except ValueError as e:
-            msg = str(e)
-            raise bad(msg if msg.startswith(("is ", "rounds")) else "is not a size") from None
-    if spec.kind in ("int", "optint"):
-        if isinstance(raw, bool):
-            raise bad("is not an integer")
-        text = str(raw).strip() if not isinstance(raw, int) else ""
-        if not isinstance(raw, int) and (len(text) > 20 or not _INT_RE.match(text)):
-            raise bad("is not an integer")
-        value = raw if isinstance(raw, int) else int(text)
-        if spec.minimum is not None and value < spec.minimum:
-            raise bad(f"is below the minimum {spec.minimum}")
-        if spec.maximum is not None and value > spec.maximum:
-            raise bad(f"is above the maximum {spec.maximum}")
-        return value
-    if spec.kind == "float":
-        if isinstance(raw, bool):
-            raise bad("is not a number")
-        text = str(raw).strip() if not isinstance(raw, int | float) else ""
-        if not isinstance(raw, int | float) and (len(text) > 40 or not _FLOAT_RE.match(text)):
-            raise bad("is not a number")
-        try:
-            fvalue = float(text) if text else float(raw)
-        except (ValueError, OverflowError):
-            raise bad("is not a number") from None
-        low = spec.minimum is not None and (
-            fvalue < spec.minimum or (fvalue == spec.minimum and not spec.minimum_ok)
-        )
-        if not math.isfinite(fvalue) or low:
-            raise bad(f"must be a number {'of at least' if spec.minimum_ok else 'above'} {spec.minimum}")
-        if spec.maximum is not None and fvalue > spec.maximum:
-            raise bad(f"is above the maximum {spec.maximum}")
-        return fvalue
-    if spec.kind == "choice":
-        text = str(raw).strip().lower()
-        if "true" in spec.choices and text not in spec.choices:  # a yes/no choice: 1, on, yes ...
-            with contextlib.suppress(ValueError):
-                text = "true" if parse_bool(raw) else "false"
-        if text not in spec.choices:
-            raise bad(f"is not one of {', '.join(spec.choices)}")
-        return text
-    if spec.kind == "url":
-        if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-            return None
-        if not isinstance(raw, str):
-            raise bad("is not a URL")
-        return raw.strip()
-    if spec.kind == "optstr":
-        if raw is None or raw == "":
-            return None
-        if not isinstance(raw, str | int) or isinstance(raw, bool):
-            raise HpkvConfigError(f"{where} is not a string; use e.g. {spec.example}")
-        if isinstance(raw, str) and _has_surrogate(raw):
-            raise HpkvConfigError(
-                f"{where} holds a lone surrogate (not valid Unicode); use e.g. {spec.example}"
-            )
-        return str(raw)
-    if spec.kind == "bool":
-        try:
-            return parse_bool(raw)
-        except ValueError:
-            raise bad("is not a boolean") from None
-    if spec.kind in ("path", "optpath"):
-        if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-            if spec.kind == "optpath":
-                return None
-            raise bad("is empty")
-        if not isinstance(raw, str | os.PathLike):
-            raise bad("is not a path")
-        text = str(os.fspath(raw))
-        if "\0" in text:
-            raise bad("contains a NUL byte")
-        full = os.path.expanduser(text)
-        if not os.path.isabs(full):
-            # A relative path would follow the working directory of whichever process reads it
-            # (vLLM's engine and workers may differ): made absolute here, once, and said.
-            full = os.path.abspath(full)
-            if full not in _relative_logged:
-                _relative_logged.add(full)
-                log.warning("hpkv: %s=%r is relative; using %s", where, text, full)
-            return full
-        return text
-    if spec.kind == "str":
-        if not isinstance(raw, str):
-            raise bad("is not a string")
-        if _has_surrogate(raw):
-            raise bad("holds a lone surrogate (not valid Unicode)")
-        return raw
-    raise AssertionError(f"unknown kind {spec.kind} for {name}")  # pragma: no cover

@@ -10,9 +10,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpkv.core.config import HpkvConfig, parse_remote_url
+from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.paths import read_regular_file
+from hpkv.core.remote_url import parse_remote_url
 
 log = logging.getLogger(__name__)
 
