@@ -48,3 +48,15 @@ def test_a_failed_start_names_the_root_cause_of_that_start(tmp_path) -> None:
     assert "root cause: RuntimeError" not in message
     # The cause is not in the tail: without the root-cause line the message would not show it.
     assert CAUSE not in server.log_tail()
+
+
+def test_a_stopped_run_keeps_each_systems_first_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from types import SimpleNamespace
+
+    from hpkv.bench.server import stopped
+
+    first, fresh = SimpleNamespace(error="vLLM exited with 1"), SimpleNamespace(error="")
+    stopped([first, fresh], RuntimeError("Traceback ...\nOSError: [Errno 28] No space left on device"))
+    assert first.error == "vLLM exited with 1"
+    assert fresh.error == "OSError: [Errno 28] No space left on device"
+    assert capsys.readouterr().out == "stopped: OSError: [Errno 28] No space left on device\n"

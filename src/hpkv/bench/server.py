@@ -12,7 +12,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,14 @@ def first_error(text: str) -> str:
         if "error" in ln.lower():
             return ln[-300:]
     return lines[0][-300:] if text.strip() else "unknown error"
+
+
+def stopped(results: Iterable[Any], e: BaseException) -> None:
+    """A run stopped by ``e``: each system's result keeps its first error, and the reason is printed."""
+    why = first_error(str(e))
+    for out in results:
+        out.error = out.error or why
+    print(f"stopped: {why}", flush=True)
 
 
 def read_log_since(path: str, offset: int) -> str:

@@ -42,7 +42,7 @@ from typing import Any
 from hpkv.bench.profile import Recorder, describe, summarize
 from hpkv.bench.prompts import in_turn, random_prompts
 from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps, warm_page_cache
-from hpkv.bench.server import ServerError, bench_env, counter, first_error
+from hpkv.bench.server import ServerError, bench_env, counter, first_error, stopped
 from hpkv.bench.sglang_report import L3_TIERS, SCENARIOS, Result, Row, report, write_json
 from hpkv.bench.sglang_server import BACKENDS, Reply, SGLangServer
 from hpkv.core.config import HpkvConfig
@@ -163,10 +163,7 @@ def interleaved(
             r.close()  # the GPU and host to the systems still to measure
             write_json(args, model, [r.out for r in runners], log)
     except (ServerError, RuntimeError, OSError, AssertionError) as e:
-        for r in runners:
-            if not r.out.error:
-                r.out.error = first_error(str(e))
-        print(f"stopped: {first_error(str(e))}", flush=True)
+        stopped([r.out for r in runners], e)
     finally:
         for r in runners:
             r.close()

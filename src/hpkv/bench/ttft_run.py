@@ -17,7 +17,7 @@ from typing import Any
 
 from hpkv.bench.prompts import in_turn
 from hpkv.bench.refs import drop_page_cache, raw_glide_gbps, raw_read_gbps
-from hpkv.bench.server import Server, ServerError, bench_env, first_error
+from hpkv.bench.server import Server, ServerError, bench_env, first_error, stopped
 from hpkv.bench.verify import HITS, Expect, Row, System, hpkv_deltas, verify_engine, verify_hpkv
 from hpkv.core.config import HpkvConfig
 
@@ -189,9 +189,7 @@ def interleaved(runners: list[Runner], scenarios: list[str]) -> list[System]:
         for r in live:
             r.run([s for s in plans[id(r)] if s not in SHARED_ROWS], started=True)
     except (ServerError, RuntimeError, OSError) as e:
-        for r in runners:
-            r.out.error = r.out.error or first_error(str(e))
-        print(f"stopped: {first_error(str(e))}", flush=True)
+        stopped([r.out for r in runners], e)
     finally:
         for r in runners:
             r.close()
