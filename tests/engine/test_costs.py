@@ -75,6 +75,27 @@ def test_an_unmeasured_tier_is_tried_unless_its_writes_show_it_far_too_slow() ->
     assert c.plan(["valkey"] * 4).load == 4
 
 
+def test_an_unmeasured_tier_gives_a_few_chunks_to_measure_it_and_the_rest_is_computed() -> None:
+    c = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES, probe_chunks=4)
+    c.computed(8192, 8192 / 40_000.0)
+    plan = c.plan(["memory"] * 2 + ["valkey"] * 30)  # memory is always loaded, then 4 to measure
+    assert (plan.load, plan.left) == (6, 26)
+    assert "valkey not measured yet, 4 chunks read to measure it" in plan.why
+    # Reads at 0.8 GB/s (a chunk costs 18 ms against 6.4 ms to compute): the next hit computes it all.
+    c.read("valkey", 4 * CHUNK_BYTES, 4 * CHUNK_BYTES / 0.8e9)
+    assert c.plan(["valkey"] * 32).load == 0
+    # Reads at 10 GB/s: the next hit loads whole.
+    c2 = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES, probe_chunks=4)
+    c2.computed(8192, 8192 / 40_000.0)
+    c2.read("storage", 4 * CHUNK_BYTES, 4 * CHUNK_BYTES / 10e9)
+    assert c2.plan(["storage"] * 32).load == 32
+    # A hit shorter than the probe loads whole; with cost-aware loads off nothing is held back.
+    assert c2.plan(["valkey"] * 3).load == 3
+    off = LoadCosts(CHUNK_TOKENS, CHUNK_BYTES, enabled=False, probe_chunks=4)
+    off.computed(8192, 8192 / 40_000.0)
+    assert off.plan(["valkey"] * 32).load == 32
+
+
 def test_the_median_rides_out_an_outlier_and_old_samples_are_forgotten() -> None:
     r = Rate(ttl=SAMPLE_TTL_S)
     for _ in range(5):

@@ -112,13 +112,16 @@ def verify_hpkv(name: str, d: dict[str, int], e: Expect) -> tuple[bool, str]:
         )
     # A hit row: hpkv must have supplied the prompt, not the engine's own cache.
     own = f"; engine cache hits {engine}" if engine else ""
-    # Chunks hpkv found but left to the engine, as slower to read than to compute (engine/costs.py):
+    # Chunks hpkv found but left to the engine, as slower to read than to compute or read only in
+    # part to measure a tier (engine/costs.py):
     # a hit row loads the rest, and says so. A prompt whose whole hit would not pay for its load
     # (the engine's measured steps; a busy machine can measure it so) is not looked up at all.
     skipped = d.get("not_worth", 0)
     left = d.get("left", 0) + skipped * e.chunks
     loaded = need - left
-    spared = f", {left} left to recompute (slower to read than to compute)" if left else ""
+    spared = (
+        f", {left} left to recompute (slower to read than to compute, or measured on a few)" if left else ""
+    )
     if name == "memory":
         ok = d["memory_hits"] == loaded and d["memory_promotions"] == 0 and d["storage_hits"] == 0
         proof = (

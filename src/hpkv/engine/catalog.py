@@ -166,7 +166,10 @@ class Catalog(InProcessEngine, SteppedEngine):
         # What loads cost against recomputing: the write-behind times its writes here, the engine's
         # scheduler its reads and steps (see hpkv.engine.costs).
         self.costs = LoadCosts(
-            self.chunk_size, self.payload_bytes * len(self.ranks), enabled=config.cost_aware_loads
+            self.chunk_size,
+            self.payload_bytes * len(self.ranks),
+            enabled=config.cost_aware_loads,
+            probe_chunks=threads,
         )
         self._lookups = Lookups(
             self.memory,
