@@ -2,7 +2,8 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt 2>/dev/null | cksum | cut -d' ' -f1)
+# The native data path is built by the editable install: its source is part of what the stamp covers.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml requirements-test.txt setup.py src/hpkv/native/records.c 2>/dev/null | cksum | cut -d' ' -f1)
 # Peers for `make compare` and the e2e comparison test (LMCache), in their own venv layered over .venv.
 PEERS := .venv-peers
 PEERS_STAMP := $(PEERS)/.installed-$(shell cat requirements-peers.txt 2>/dev/null | cksum | cut -d' ' -f1)
@@ -120,4 +121,4 @@ bench-gpu-sglang:
 	. scripts/sglang-gpu/env.sh && python3 -m hpkv.cli.main bench ttft --engine sglang --out out/ttft-sglang
 
 clean:
-	rm -rf $(VENV) $(PEERS) out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) out .pytest_cache .mypy_cache .ruff_cache build src/hpkv/native/*.so

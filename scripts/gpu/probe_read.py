@@ -19,7 +19,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from hpkv.tiers.disk import io
+from hpkv import native
 
 FILES, SIZE, ROUNDS = 32, 14 << 20, 7
 
@@ -40,15 +40,16 @@ def _huge() -> str:
         return " ".join(line.split(":")[0] + "=" + line.split()[1] for line in f if "HugePages:" in line)
 
 
-def _cachestat(fd: int, size: int) -> bool:
+def _cachestat(path: str) -> bool:
     """hpkv's page-cache question through cachestat (Linux 6.5+)."""
-    io._cachestat_works = True
-    return io._all_cached(fd, size)
+    native.ask_cachestat(True)
+    return native.in_page_cache(path)
 
 
-def _cached(fd: int, size: int) -> bool:
+def _cached(path: str) -> bool:
     """hpkv's page-cache question through mincore on a mapping (its fallback)."""
-    return io._mincore_all(io._load_libc(), fd, size, -(-size // io.PAGE))
+    native.ask_cachestat(False)
+    return native.in_page_cache(path)
 
 
 def _dest(kind: str, shm_dir: str) -> list[memoryview]:
@@ -94,9 +95,9 @@ def main() -> int:
                         fd = os.open(files[i], os.O_RDONLY)
                         try:
                             if k == "shm+mincore":  # hpkv's fstat and page-cache question before the read
-                                assert _cached(fd, os.fstat(fd).st_size)
+                                assert _cached(files[i])
                             elif k == "shm+cachestat":
-                                assert _cachestat(fd, os.fstat(fd).st_size)
+                                assert _cachestat(files[i])
                             return os.preadv(fd, [bufs[i]], 0)
                         finally:
                             os.close(fd)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from hpkv.bench.refs import drop_page_cache, warm_page_cache
-from hpkv.tiers.disk.io import in_page_cache
+from hpkv.native import in_page_cache
 
 
 def test_warm_page_cache_brings_dropped_files_back_whole(tmp_path: object) -> None:

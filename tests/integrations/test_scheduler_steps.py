@@ -1019,9 +1019,8 @@ def test_the_scheduler_thread_makes_no_system_call_per_chunk(
 
         return call
 
-    for mod, name in ((tier.os, "lstat"), (tier.os, "stat"), (io.os, "open"), (io, "in_page_cache")):
+    for mod, name in ((tier.os, "lstat"), (tier.os, "stat"), (io.os, "open"), (tier, "in_page_cache")):
         monkeypatch.setattr(mod, name, spied(name, getattr(mod, name)))
-    monkeypatch.setattr(tier, "in_page_cache", io.in_page_cache)
     cold = sim.request("new", prompt(4, seed=72))  # a miss: stores four chunks
     assert sim.lookup_settled(cold) == 0
     sim.admit(cold, 0)

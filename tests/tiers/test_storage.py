@@ -189,18 +189,20 @@ def test_unwritable_root_is_a_config_error(tmp_path: object) -> None:
 
 
 @pytest.mark.parametrize("ask", ["cachestat", "mincore"])
-def test_reads_come_from_the_page_cache_when_cached_else_direct(
-    storage_dir: str, ask: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Exact bytes whether the file is cached, dropped from the page cache, or cached in part; the
-    page cache asked through cachestat (where the kernel has it) and through mincore."""
-    from hpkv.tiers.disk import io
-    from hpkv.tiers.disk.io import PAGE, Reader, _all_cached
+def test_reads_come_from_the_page_cache_when_cached_else_direct(storage_dir: str, ask: str) -> None:
+    """Exact, checked bytes whether the file is cached, dropped from the page cache, or cached in
+    part; the page cache asked through cachestat (where the kernel has it) and through mincore."""
+    from hpkv import native
+    from hpkv.core import record
+    from hpkv.tiers.disk.io import PAGE, Reader
 
-    monkeypatch.setattr(io, "_cachestat_works", ask == "cachestat")
-
-    size = 64 * PAGE + 123  # not a whole number of pages
-    data = os.urandom(size)
+    was = native.ask_cachestat(ask == "cachestat")
+    payload = 64 * PAGE + 123 - record.HEADER_BYTES  # a record of no whole number of pages
+    size = record.record_bytes(payload)
+    rec = memoryview(mmap.mmap(-1, 65 * PAGE))
+    rec[record.HEADER_BYTES : size] = os.urandom(payload)
+    record.seal(rec, NS, b"k" * 16, payload)
+    data = bytes(rec[:size])
     os.makedirs(storage_dir, exist_ok=True)
     path = os.path.join(storage_dir, "chunk")
     with open(path, "wb") as f:
@@ -211,31 +213,29 @@ def test_reads_come_from_the_page_cache_when_cached_else_direct(
 
     def read() -> bytes:
         b = memoryview(mmap.mmap(-1, 65 * PAGE))
-        n, _ = r.read(path, b, size)
-        assert n == size
-        return bytes(b[:n])
+        (got,) = r.read([(path, [b], b"k" * 16)], size, NS)
+        assert (got.status, got.nread) == (record.VERDICTS.index(record.Verdict.OK), size)
+        return bytes(b[:size])
 
-    assert read() == data  # just written: in the page cache
-    if r.direct:
-        assert r.cached_reads == 1
     fd = os.open(path, os.O_RDONLY)
     try:
+        assert read() == data  # just written: in the page cache
+        if r.direct:
+            assert r.cached_reads == 1
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        dropped = not _all_cached(fd, size)
+        dropped = not native.in_page_cache(path)
         assert read() == data  # from the device
         if r.direct and dropped:
             assert r.cached_reads == 1
-            assert not _all_cached(fd, size)  # O_DIRECT left the page cache alone
+            assert not native.in_page_cache(path)  # O_DIRECT left the page cache alone
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.pread(fd, 3 * PAGE + 17, 0)  # some pages cached again, maybe not all
-        pages = -(-size // PAGE)
-        # whichever call asked, the same answer as a page-by-page look
-        assert _all_cached(fd, size) == io._mincore_all(io._load_libc(), fd, size, pages)
         assert read() == data
-        if ask == "cachestat" and tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 5):
-            assert io._cachestat_works  # the kernel has it: it was the call that answered
+        os.pread(fd, size, 0)
+        assert native.in_page_cache(path)  # every page read back in: whichever call asks sees it
     finally:
         os.close(fd)
+        native.ask_cachestat(was)
 
 
 def _direct_supported(directory: str) -> bool:
@@ -264,7 +264,7 @@ def test_direct_writes_give_exact_bytes_and_leave_the_page_cache_alone(storage_d
     """HPKV_STORAGE_DIRECT_WRITES: the record's whole pages go with O_DIRECT, its last partial page
     buffered; the file is the record to the byte, it reads back exactly, and its body is not in the
     page cache. Where the file system refuses O_DIRECT the write is buffered and still exact."""
-    from hpkv.tiers.disk.io import _all_cached
+    from hpkv.native import in_page_cache
 
     payload = 3 * 4096 + 1000  # three whole pages and a partial one, header included
     t = StorageTier(storage_dir, 1 << 30, payload, NS, direct_writes=True)
@@ -283,7 +283,7 @@ def test_direct_writes_give_exact_bytes_and_leave_the_page_cache_alone(storage_d
         fd = os.open(path, os.O_RDONLY)
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # only the tail page could be there
-            assert not _all_cached(fd, os.path.getsize(path))
+            assert not in_page_cache(path)
         finally:
             os.close(fd)
     assert not [n for n in os.listdir(os.path.dirname(path)) if n.endswith(".tmp")]
@@ -378,7 +378,7 @@ def test_a_damaged_file_read_in_place_is_a_counted_miss_and_removed(storage_dir:
 
 
 def test_a_file_not_in_the_page_cache_is_left_to_the_direct_read(storage_dir: str) -> None:
-    from hpkv.tiers.disk.io import in_page_cache
+    from hpkv.native import in_page_cache
 
     t = tier(storage_dir)
     t.write(k(1), rec(k(1), 5))

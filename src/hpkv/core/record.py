@@ -83,6 +83,10 @@ class Verdict(Enum):
     BAD_CHECKSUM = "bad_checksum"
 
 
+# A verdict by its index (the native reader's statuses 0..6 are these, in this order).
+VERDICTS = list(Verdict)
+
+
 def record_bytes(payload_bytes: int) -> int:
     return HEADER_BYTES + payload_bytes
 
@@ -199,3 +203,17 @@ class Checker:
         else:
             ok = hmac.compare_digest(self._hash.digest(), self._expected)
         return Verdict.OK if ok else Verdict.BAD_CHECKSUM
+
+
+def check_pieces(bufs: list[memoryview], namespace: bytes, key: bytes, payload_len: int) -> Verdict:
+    """:func:`verify` of a whole record read into ``bufs``: one buffer holding the record, or the
+    64 header bytes and then the payload's pieces in order."""
+    if len(bufs) == 1:
+        return verify(bufs[0], record_bytes(payload_len), namespace, key, payload_len)
+    c = Checker(namespace, key, payload_len)
+    verdict = c.header(bufs[0])
+    if verdict is not Verdict.OK:
+        return verdict
+    for piece in bufs[1:]:
+        c.update(piece)
+    return c.finish()

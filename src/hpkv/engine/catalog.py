@@ -379,18 +379,19 @@ class Catalog(InProcessEngine, SteppedEngine):
         until the thread's next call), or None: for a chunk that has no slot. Blocks for the read."""
         return self._promoter.read_private(lk, tenant)
 
-    def read_direct(self, lk: bytes, pieces: list[memoryview]) -> bool | None:
-        """The first served rank's payload of ``lk`` straight from its storage file into ``pieces``
-        (see :meth:`StorageTier.read_payload_into`): True (verified), False (the file failed its
-        check and is gone: the slower tiers may still have it), None (not tried here)."""
+    def read_direct(self, lks: list[bytes], pieces: list[list[memoryview]]) -> list[bool | None]:
+        """The first served rank's payload of each of ``lks`` straight from its storage file into
+        its ``pieces`` (see :meth:`StorageTier.read_payloads_into`): per chunk True (verified),
+        False (the file failed its check and is gone: the slower tiers may still have it), None
+        (not tried here)."""
         read = None
         for ts in self.tiers.values():
-            read = getattr(ts[0], "read_payload_into", None)
+            read = getattr(ts[0], "read_payloads_into", None)
             if read is not None:
                 break
         if read is None:
-            return None
-        got: bool | None = read(self.record_key(0, lk), pieces)
+            return [None] * len(lks)
+        got: list[bool | None] = read([self.record_key(0, lk) for lk in lks], pieces)
         return got
 
     # -- the engine's steps --------------------------------------------------------------

@@ -295,9 +295,10 @@ class InProcessCopies(abc.ABC):
         thread's buffer (valid until its next call), or None. Blocks for the read."""
 
     @abc.abstractmethod
-    def read_direct(self, lk: bytes, pieces: list[memoryview]) -> bool | None:
-        """The first served rank's payload of ``lk`` from a local file straight into ``pieces``:
-        True (verified), False (it failed its check), None (not tried). Blocks for the read."""
+    def read_direct(self, lks: list[bytes], pieces: list[list[memoryview]]) -> list[bool | None]:
+        """The first served rank's payload of each of ``lks`` from a local file straight into its
+        ``pieces``, the batch in one native call: per chunk True (verified), False (it failed its
+        check), None (not tried). Blocks for the reads."""
 
     @abc.abstractmethod
     def run_io(self, fn: Callable[..., object], *args: object) -> Future[object]:

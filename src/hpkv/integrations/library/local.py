@@ -129,15 +129,21 @@ def _private_many(
     tenant: str,
     into: Into | None,
 ) -> dict[int, bool]:
-    return {i: _private(eng, i, keys[i], consume, tenant, into) for i in which}
+    """On an I/O thread: the chunks ``which`` that have no slot. Those whose storage files the page
+    cache holds land where ``into`` says, the whole share in one native call; the others are read
+    one by one into this thread's buffer and consumed from there."""
+    pieces = {i: p for i in which if (p := into(i) if into is not None else None) is not None}
+    done: dict[int, bool] = {}
+    if pieces:
+        got = eng.read_direct([keys[i] for i in pieces], list(pieces.values()))
+        done = {i: True for i, ok in zip(pieces, got, strict=True) if ok}
+    for i in which:
+        if i not in done:
+            done[i] = _private(eng, keys[i], consume, i, tenant)
+    return done
 
 
-def _private(
-    eng: InProcessEngine, i: int, lk: bytes, consume: Consume, tenant: str, into: Into | None
-) -> bool:
-    pieces = into(i) if into is not None else None
-    if pieces is not None and eng.read_direct(lk, pieces):
-        return True
+def _private(eng: InProcessEngine, lk: bytes, consume: Consume, i: int, tenant: str) -> bool:
     rec = eng.read_private(lk, tenant)
     if rec is None:
         return False

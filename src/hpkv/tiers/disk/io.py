@@ -12,13 +12,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import mmap
 import os
 import secrets
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Sequence
 
-from hpkv.core.paths import open_regular
+from hpkv import native
+from hpkv.core import record
 
 PAGE = 4096  # O_DIRECT alignment of offsets (buffers come page-aligned from mmap)
 
@@ -128,181 +127,52 @@ def _address(data: memoryview) -> int:
 
 
 class Reader:
-    """Reads whole chunk files into caller buffers: from the page cache when the file is there,
-    else with O_DIRECT where it works.
+    """Reads whole chunk files into caller buffers and checks them, a batch in one native call
+    (hpkv.native): from the page cache when the file is there, else with O_DIRECT where it works.
 
     A chunk written recently (or read by another engine) is usually still in the
     page cache, where a buffered read runs at memory speed; one that is not
     should come straight from the device without filling the page cache a
     second time (the pool already holds the bytes). So a read first asks the
     kernel whether every page of the file is cached (``cachestat``, else
-    ``mincore`` on a mapping: neither starts I/O; ``RWF_NOWAIT`` would start readahead) and
-    reads buffered if so, else with O_DIRECT. O_DIRECT needs page-aligned
-    buffers and lengths; callers pass buffers from ``mmap`` (the pool's slots
-    or scratch buffers), which are page-aligned, of a page-rounded length. If a
-    file system refuses O_DIRECT, this falls back to buffered reads for good
-    and says so once through ``direct``.
+    ``mincore`` on a mapping: neither starts I/O) and reads buffered if so, else
+    with O_DIRECT. O_DIRECT needs page-aligned buffers: a record read into one
+    buffer from ``mmap`` (the pool's slots, scratch buffers) has one; a record
+    read in pieces is read buffered. If a file system refuses O_DIRECT, this
+    reads buffered for good and says so through ``direct``.
     """
 
     def __init__(self, o_direct: bool) -> None:
         self.direct = o_direct and hasattr(os, "O_DIRECT")
         self.cached_reads = 0  # reads served whole from the page cache (tests, benchmarks)
 
-    def read(self, path: str, buf: memoryview, expected: int) -> tuple[int, int]:
-        """Read up to ``len(buf)`` bytes of ``path`` into ``buf``.
-
-        Returns ``(bytes read, inode)``; a file longer than ``expected`` is
-        reported as ``expected + 1`` bytes so the caller sees a length mismatch
-        without reading it all. Raises OSError (FileNotFoundError when absent).
-        """
-        fd = open_regular(path, follow=False)  # a FIFO, link or directory there: NotARegularFile
-        try:
-            st = os.fstat(fd)
-            if st.st_size > expected:
-                return expected + 1, st.st_ino
-            if not st.st_size:
-                return 0, st.st_ino
-            total = 0
-            if self.direct and _all_cached(fd, st.st_size):
+    def read(
+        self,
+        jobs: Sequence[tuple[str, Sequence[memoryview], bytes]],
+        record_bytes: int,
+        namespace: bytes,
+        *,
+        cached_only: bool = False,
+        threads: int = 1,
+    ) -> list[native.Read]:
+        """Each job ``(path, buffers, key)``: the record at ``path`` into ``buffers`` (in order; the
+        first holds the header), checked against ``namespace``, ``key`` and ``record_bytes`` (and
+        its xxh3; a MAC'd record's MAC is the caller's to check). ``cached_only``: where reads
+        would go to the device, a file not whole in the page cache is not read
+        (``native.NOT_CACHED``). One call for the batch, over up to ``threads`` threads."""
+        auth = record.current_auth_key() is not None
+        version = record.RECORD_VERSION_MAC if auth else record.RECORD_VERSION
+        mode = native.BUFFERED if not self.direct else native.CACHED_ONLY if cached_only else native.DIRECT
+        reads = native.read_records(
+            [
+                native.Job(os.fsencode(path), bufs, record_bytes, namespace, key, version, not auth, mode)
+                for path, bufs, key in jobs
+            ],
+            threads,
+        )
+        for r in reads:
+            if r.how == native.HOW_CACHED:
                 self.cached_reads += 1
-            elif self.direct:
-                dfd = self._open_direct(path)
-                if dfd >= 0:
-                    try:
-                        total = os.preadv(dfd, [buf], 0)
-                    finally:
-                        os.close(dfd)
-            # Buffered: no O_DIRECT here, or a short direct read (it needs aligned offsets).
-            while total < st.st_size:
-                n = os.preadv(fd, [buf[total:]], total)
-                if not n:
-                    break
-                total += n
-            return total, st.st_ino
-        finally:
-            os.close(fd)
-
-    def read_cached(
-        self, path: str, bufs: list[memoryview], size: int, check: Callable[[int], bool]
-    ) -> tuple[bool, int] | None:
-        """Read ``path`` into ``bufs`` (in order, together ``size`` bytes) in one call if the file
-        reads at memory speed (whole in the page cache, or no O_DIRECT here), then ``check(bytes
-        read)`` (``size + 1``: the file is longer). Returns ``(checked, inode)`` (the inode only
-        when the check failed, else 0), or None: not read (not cached, not a regular file, an
-        error), for :meth:`read` to deal with. Each system call is a round trip for Python's GIL,
-        which a busy engine thread holds up to its switch interval each time, so there are as few
-        as can be: open, ask the page cache, one vectored read, close."""
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            if self.direct:
-                if not _all_cached(fd, size):
-                    return None
-                self.cached_reads += 1
-            n = os.preadv(fd, [*bufs, _ONE_MORE], 0)
-            if check(n):
-                return True, 0
-            return False, os.fstat(fd).st_ino
-        except OSError:  # a directory, a FIFO: read() tells what it is
-            return None
-        finally:
-            os.close(fd)
-
-    def _open_direct(self, path: str) -> int:
-        """An O_DIRECT descriptor, or -1 when this file system has none (then never again)."""
-        try:
-            return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            if e.errno != errno.EINVAL:
-                raise
-            self.direct = False
-            return -1
-
-
-_ONE_MORE = memoryview(bytearray(1))  # past a record's end: a longer file shows as one byte more (never read)
-_libc: Any = None
-_CACHESTAT = 451  # cachestat(2), Linux 6.5+: one number on every architecture (the unified table)
-_cachestat_works = True  # until a call says the kernel (or a seccomp filter) has no such call
-
-
-class _Range(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _CacheStat(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_uint64)
-        for name in ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")
-    ]
-
-
-def _load_libc() -> Any:
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.mmap.restype = ctypes.c_void_p
-            _libc.mmap.argtypes = [
-                ctypes.c_void_p,
-                ctypes.c_size_t,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_int,
-                ctypes.c_long,
-            ]
-            _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-            _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-            _libc.syscall.restype = ctypes.c_long
-        except (OSError, AttributeError):
-            _libc = False
-    return _libc
-
-
-def in_page_cache(path: str) -> bool:
-    """Whether the whole file at ``path`` is in the page cache (False when it is not there, cannot
-    be opened, or the kernel will not say). Starts no I/O."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        return _all_cached(fd, os.fstat(fd).st_size)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _all_cached(fd: int, size: int) -> bool:
-    """Whether every page of the file's first ``size`` bytes is in the page cache (False when the
-    kernel will not say). Asks ``cachestat`` (one call per file) where the kernel has it, else
-    ``mincore`` on a mapping (a lookup per page, far slower for large files, but no read)."""
-    global _cachestat_works
-    libc = _load_libc()
-    if not libc:
-        return False
-    pages = -(-size // PAGE)
-    if _cachestat_works:
-        rng, st = _Range(0, size), _CacheStat()
-        rc = libc.syscall(_CACHESTAT, ctypes.c_uint(fd), ctypes.byref(rng), ctypes.byref(st), 0)
-        if rc == 0:
-            return bool(st.nr_cache >= pages)
-        if ctypes.get_errno() not in (errno.ENOSYS, errno.EPERM):
-            return False
-        _cachestat_works = False  # an older kernel, or a seccomp filter: mincore from now on
-    return _mincore_all(libc, fd, size, pages)
-
-
-def _mincore_all(libc: Any, fd: int, size: int, pages: int) -> bool:
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return False
-    try:
-        vec = ctypes.create_string_buffer(pages)
-        if libc.mincore(addr, size, vec) != 0:
-            return False
-        return b"\x00" not in vec.raw  # bit 0 of each byte: that page is resident
-    finally:
-        libc.munmap(addr, size)
+            elif r.how == native.HOW_DIRECT_REFUSED:
+                self.direct = False
+        return reads

@@ -22,15 +22,17 @@ import threading
 import time
 from collections.abc import Callable
 
+from hpkv import native
 from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import SHARED_TENANT
-from hpkv.core.paths import NotARegularFile, check_private_dir
+from hpkv.core.paths import check_private_dir
 from hpkv.core.stats import TierStats
+from hpkv.native import in_page_cache
 from hpkv.tiers.base import Built
 from hpkv.tiers.disk.index import DiskIndex
-from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, in_page_cache, write_atomic
+from hpkv.tiers.disk.io import SOFT_ERRNOS, Reader, create_exclusive, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -184,15 +186,48 @@ class StorageTier:
         self, key: bytes, buf: memoryview, tenant: str = SHARED_TENANT
     ) -> Callable[[], bool] | None:
         """:meth:`read_into` in two halves (see the tier protocol): the file's bytes into ``buf``
-        now, and the check that verifies them."""
-        path = self.path(key)
-        try:
-            n, ino = self._reader.read(path, buf, self.record_bytes)
-        except FileNotFoundError:
+        now, and the check of what they were found to be."""
+        return self.fetch_many([key], [buf])[0]
+
+    def fetch_many(
+        self, keys: list[bytes], bufs: list[memoryview], threads: int = 1
+    ) -> list[Callable[[], bool] | None]:
+        """:meth:`fetch_into` for a batch, read and checked in one native call over ``threads``
+        threads: per key, the check's verdict to take (it counts the hit or removes the bad file),
+        or None: a counted miss."""
+        paths = [self.path(k) for k in keys]
+        reads = self._reader.read(
+            [(p, [b], k) for p, b, k in zip(paths, bufs, keys, strict=True)],
+            self.record_bytes,
+            self.namespace,
+            threads=threads,
+        )
+        out: list[Callable[[], bool] | None] = []
+        for key, path, buf, r in zip(keys, paths, bufs, reads, strict=True):
+            verdict = self._verdict(key, path, r, [buf])
+            out.append(None if verdict is None else self._judge(key, path, r.inode, verdict))
+        return out
+
+    def _judge(self, key: bytes, path: str, ino: int, verdict: record.Verdict) -> Callable[[], bool]:
+        def check() -> bool:
+            if verdict is not record.Verdict.OK:
+                self._failed(key, path, ino, verdict)
+                return False
+            self.count_hit(key)
+            return True
+
+        return check
+
+    def _verdict(
+        self, key: bytes, path: str, r: native.Read, bufs: list[memoryview]
+    ) -> record.Verdict | None:
+        """What a native read found, or None when there was nothing to check (no file, not a
+        regular file, an error: each counted as a miss). A MAC'd record's MAC is checked here."""
+        if r.status == native.NOT_FOUND:
             self._forget(key)
             self._stats.add("misses")
             return None
-        except NotARegularFile:
+        if r.status == native.NOT_REGULAR:
             self._stats.add("corrupt")
             self._stats.add("misses")
             self._rate_limited_log(
@@ -202,19 +237,14 @@ class StorageTier:
             with contextlib.suppress(OSError):
                 os.unlink(path)  # removes the name (a link, a FIFO), never what a link points to
             return None
-        except OSError as e:
-            self._error("read", path, e)
+        if r.status == native.IO_ERROR:
+            self._error("read", path, OSError(r.errno, os.strerror(r.errno), path))
             self._stats.add("misses")
             return None
-        return lambda: self._verify_read(key, buf, n, path, ino)
-
-    def _verify_read(self, key: bytes, buf: memoryview, n: int, path: str, ino: int) -> bool:
-        verdict = record.verify(buf, n, self.namespace, key, self.payload_bytes)
-        if verdict is not record.Verdict.OK:
-            self._failed(key, path, ino, verdict)
-            return False
-        self.count_hit(key)
-        return True
+        verdict = record.VERDICTS[r.status]
+        if verdict is record.Verdict.OK and record.current_auth_key() is not None:
+            verdict = record.check_pieces(bufs, self.namespace, key, self.payload_bytes)
+        return verdict
 
     def _failed(self, key: bytes, path: str, ino: int, verdict: record.Verdict) -> None:
         self._stats.add("corrupt")
@@ -233,38 +263,38 @@ class StorageTier:
         False: the file failed the check (counted, removed); what ``pieces`` hold is garbage.
         None: not tried (no such file, not in the page cache, or an error): :meth:`read_into` reads
         it and counts what it finds."""
-        size = sum(len(p) for p in pieces)
-        if size != self.payload_bytes:
-            raise ValueError(f"the pieces hold {size} bytes, a payload {self.payload_bytes}")
-        if not self.contains(key):
-            return None
-        path = self.path(key)
-        header = memoryview(bytearray(record.HEADER_BYTES))
-        verdict = record.Verdict.OK
+        return self.read_payloads_into([key], [pieces])[0]
 
-        def check(n: int) -> bool:
-            nonlocal verdict
-            if n != self.record_bytes:
-                verdict = record.Verdict.SHORT if n < self.record_bytes else record.Verdict.WRONG_LENGTH
-                return False
-            c = record.Checker(self.namespace, key, self.payload_bytes)
-            verdict = c.header(header)
-            if verdict is record.Verdict.OK:
-                for piece in pieces:
-                    c.update(piece)
-                verdict = c.finish()
-            return verdict is record.Verdict.OK
-
-        got = self._reader.read_cached(path, [header, *pieces], self.record_bytes, check)
-        if got is None:
-            return None
-        if not got[0]:
-            self._failed(key, path, got[1], verdict)
-            return False
-        self.count_hit(key)
-        with self._lock:
-            self._in_place += 1
-        return True
+    def read_payloads_into(
+        self, keys: list[bytes], pieces: list[list[memoryview]], threads: int = 1
+    ) -> list[bool | None]:
+        """:meth:`read_payload_into` for a batch, in one native call over ``threads`` threads."""
+        todo = [i for i, k in enumerate(keys) if self.contains(k)]
+        for i in todo:
+            size = sum(len(p) for p in pieces[i])
+            if size != self.payload_bytes:
+                raise ValueError(f"the pieces hold {size} bytes, a payload {self.payload_bytes}")
+        jobs = [
+            (self.path(keys[i]), [memoryview(bytearray(record.HEADER_BYTES)), *pieces[i]], keys[i])
+            for i in todo
+        ]
+        reads = self._reader.read(jobs, self.record_bytes, self.namespace, cached_only=True, threads=threads)
+        out: list[bool | None] = [None] * len(keys)
+        for i, (path, bufs, key), r in zip(todo, jobs, reads, strict=True):
+            if r.status in (native.NOT_CACHED, native.NOT_FOUND, native.NOT_REGULAR, native.IO_ERROR):
+                continue  # read_into deals with it (and counts what it finds)
+            verdict = record.VERDICTS[r.status]
+            if verdict is record.Verdict.OK and record.current_auth_key() is not None:
+                verdict = record.check_pieces(bufs, self.namespace, key, self.payload_bytes)
+            if verdict is not record.Verdict.OK:
+                self._failed(key, path, r.inode, verdict)
+                out[i] = False
+                continue
+            self.count_hit(key)
+            with self._lock:
+                self._in_place += 1
+            out[i] = True
+        return out
 
     def count_hit(self, key: bytes) -> None:
         """``key``'s record was read and checked whole."""
