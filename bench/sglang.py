@@ -10,6 +10,9 @@ write into the same directory. The reference, measured in the same rounds: a raw
 files of the same pages, 4 threads (hpkv's storage I/O threads), buffered from the page cache and
 with O_DIRECT after dropping it.
 
+``--spin``: a thread spins in Python beside the controller for the whole run, as SGLang's scheduler
+thread polls without sleeping on a GPU server: every hand-over of Python's GIL then waits for it.
+
 Run it in the SGLang environment: ``make bench-sglang`` (``.venv-sglang/bin/python -m bench.sglang``).
 """
 
@@ -20,6 +23,7 @@ import json
 import os
 import shutil
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -83,6 +87,14 @@ def one_round(args: argparse.Namespace, system: str, seed: int, shm: str) -> dic
     return out
 
 
+def _spin(stop: threading.Event) -> None:
+    """Python bytecode without a pause (SGLang's scheduler loop, polling): it holds the GIL for
+    whole switch intervals."""
+    n = 0
+    while not stop.is_set():
+        n += 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sglang", description=__doc__)
     ap.add_argument("--pages", type=int, default=64)
@@ -93,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--dir", default="out/bench-sglang/storage", help="the storage directory both use")
     ap.add_argument("--out", default="out/bench-sglang")
+    ap.add_argument("--spin", action="store_true", help="a Python thread spinning beside the controller")
     args = ap.parse_args(argv)
+    stop = threading.Event()
+    if args.spin:
+        threading.Thread(target=_spin, args=(stop,), daemon=True, name="spin").start()
     os.makedirs(args.out, exist_ok=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     os.makedirs(args.dir)
@@ -117,11 +133,13 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     finally:
+        stop.set()
         shutil.rmtree(shm, ignore_errors=True)
     print(
         f"\nbench.sglang: {args.pages} pages x {args.page_size} tokens, "
         f"{page_bytes / 2**20:.2f} MiB per page ({args.layers} layers, {args.heads} KV heads x {args.dim}, "
         f"bf16), {args.rounds} rounds, interleaved; storage {args.dir}"
+        + ("; a Python thread spinning beside them" if args.spin else "")
     )
     print(f"{'operation':<24}{'system':<7}{'median s':>10}{'min-max s':>17}{'pages/s':>10}{'GB/s':>8}  x ref")
     report: dict[str, Any] = {"args": vars(args), "page_bytes": page_bytes, "raw_read_gbps": raw, "rows": []}
