@@ -66,10 +66,10 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         assert cat.in_storage(lk)
         cat.clear((MEMORY,))
         reading, release = threading.Event(), threading.Event()
-        real = cat.tier(STORAGE)[0].fetch_into
+        real = cat.tier(STORAGE)[0].fetch_many
 
-        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
-            check = real(key, buf, tenant)  # read on the I/O thread; the check runs on a verify thread
+        def held(keys: list[bytes], bufs: list[memoryview], threads: int = 1) -> Any:
+            [check] = real(keys, bufs, threads)  # read on the I/O thread; the check runs on a verify thread
             assert check is not None
 
             def gated() -> bool:
@@ -78,9 +78,9 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
                 release.wait(10)
                 return ok
 
-            return gated
+            return [gated]
 
-        monkeypatch.setattr(cat.tier(STORAGE)[0], "fetch_into", held)
+        monkeypatch.setattr(cat.tier(STORAGE)[0], "fetch_many", held)
         [fut] = cat.stage([lk])
         assert reading.wait(10)
         cat.clear((MEMORY,))  # the reset lands while the promotion holds its bytes
@@ -88,7 +88,7 @@ def test_a_promotion_in_flight_at_a_reset_stays_invisible(
         assert fut.result(10) is False
         assert not cat.in_memory(lk) and cat.locate_local([lk]) == [STORAGE]
         cat.check()
-        monkeypatch.setattr(cat.tier(STORAGE)[0], "fetch_into", real)
+        monkeypatch.setattr(cat.tier(STORAGE)[0], "fetch_many", real)
         assert cat.stage([lk])[0].result(10) and cat.in_memory(lk)  # a promotion after the reset works
     finally:
         cat.close()

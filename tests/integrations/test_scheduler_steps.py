@@ -199,14 +199,14 @@ class Gate:
     def __init__(self, sim: Sim, monkeypatch: pytest.MonkeyPatch) -> None:
         self.reading, self.release = threading.Event(), threading.Event()
         tier = sim.cat.tier(STORAGE)[0]
-        real = tier.fetch_into
+        real = tier.fetch_many
 
-        def held(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
+        def held(keys: list[bytes], bufs: list[memoryview], threads: int = 1) -> Any:
             self.reading.set()
             self.release.wait(20)
-            return real(key, buf, tenant)
+            return real(keys, bufs, threads)
 
-        monkeypatch.setattr(tier, "fetch_into", held)
+        monkeypatch.setattr(tier, "fetch_many", held)
 
 
 def test_a_lookup_never_waits_for_a_slow_tier(make_sim: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -806,13 +806,15 @@ def test_async_chunks_that_arrive_together_go_out_in_one_step(
     sim, tokens, lks, gate = head_in_memory_rest_held(make_sim, monkeypatch, 4, seed=25)
     monkeypatch.setattr(mod, "ASYNC_GATHER_S", 10.0)  # three reads in a row, well inside it
     tier = sim.cat.tier(STORAGE)[0]
-    gated = tier.fetch_into
+    gated = tier.fetch_many
 
-    def slow(key: bytes, buf: memoryview, tenant: str = "shared") -> Any:
-        time.sleep(0.05)  # each read takes a while: the next arrives after the first one's step began
-        return gated(key, buf, tenant)
+    def slow(keys: list[bytes], bufs: list[memoryview], threads: int = 1) -> Any:
+        time.sleep(
+            0.05 * len(keys)
+        )  # each read takes a while: the next arrives after the first one's step began
+        return gated(keys, bufs, threads)
 
-    monkeypatch.setattr(tier, "fetch_into", slow)
+    monkeypatch.setattr(tier, "fetch_many", slow)
     req = sim.request("b", tokens)
     assert sim.s.get_num_new_matched_tokens(req, 0) == (4 * CHUNK, True)
     sim.admit(req, 4 * CHUNK)

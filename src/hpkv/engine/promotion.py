@@ -7,8 +7,10 @@ tier is read from the next; a chunk that fails on every rank's tiers is not prom
 failure is a shorter hit, never bad data. Without a slot to spare (or a memory tier), a chunk is
 read into a private buffer instead (:meth:`Promoter.read_private`).
 
-A read and its check are two steps (a tier's ``fetch_into``): where there are cores to spare, the
-check runs on a verify thread while the I/O thread fetches the next record.
+A hit's promotions run as one task per I/O thread, each reading its share a few chunks at a time:
+storage reads and checks those few in one native call (``fetch_many``, the GIL released), other
+tiers chunk by chunk. A read and its check are two steps (a tier's ``fetch_into``): where there
+are cores to spare, the check runs on a verify thread while the I/O thread fetches the next record.
 
 Thread contract: :meth:`Promoter.stage` and :meth:`Promoter.start_deferred` never block (a slot is
 reserved on the caller's thread, the reads run on the I/O threads); :meth:`Promoter.read_private`
@@ -33,6 +35,10 @@ from hpkv.tiers.memory.bookkeeping import Slots
 from hpkv.tiers.memory.pool import ShmPool
 
 log = logging.getLogger(__name__)
+
+# Chunks an I/O thread reads in one call of a tier that reads batches: a few, so that the hit's
+# first chunks still land (and are consumed) while its later ones are read.
+BATCH = 4
 
 
 class Promotion(Future[bool]):
@@ -69,6 +75,7 @@ class Promoter:
         self._staging: dict[bytes, Promotion] = {}
         self._deferred: list[tuple[bytes, int, str, Promotion]] = []
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="hpkv-io", initializer=name_os_thread)
+        self._io_threads = io_threads
         self._verify = (
             ThreadPoolExecutor(verify_threads, thread_name_prefix="hpkv-verify", initializer=name_os_thread)
             if verify_threads > 0
@@ -103,6 +110,7 @@ class Promoter:
         futures: list[Future[bool]] = []
         if not self._pools:
             return futures
+        now: list[tuple[bytes, int, str, Promotion]] = []
         for lk in lks:
             if lk in self._memory:
                 continue
@@ -121,44 +129,56 @@ class Promoter:
                     with self._lock:
                         self._deferred.append((lk, slot, tenant, fut))
                 else:
-                    self._start(lk, slot, tenant, fut)
+                    now.append((lk, slot, tenant, fut))
             futures.append(fut)
+        self._start(now)
         return futures
 
     def start_deferred(self) -> int:
         """Start the reads that :meth:`stage` deferred; how many."""
         with self._lock:
             todo, self._deferred = self._deferred, []
-        for lk, slot, tenant, fut in todo:
-            self._start(lk, slot, tenant, fut)
+        self._start(todo)
         return len(todo)
 
-    def _start(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
-        try:
-            self._io.submit(self._promote, lk, slot, tenant, fut)
-        except RuntimeError:  # closing
-            self._memory.abort(slot)
-            self._settle(lk, fut, False)
+    def _start(self, todo: list[tuple[bytes, int, str, Promotion]]) -> None:
+        """One task per I/O thread, each a share of ``todo`` in its order (every ``k``-th chunk,
+        so the hit's first chunks land first): each hand-over between threads is a round trip for
+        the GIL, which a busy engine thread may hold for its whole switch interval."""
+        k = min(len(todo), self._io_threads)
+        for j in range(k):
+            share = todo[j::k]
+            try:
+                self._io.submit(self._promote_many, share)
+            except RuntimeError:  # closing
+                for lk, slot, _tenant, fut in share:
+                    self._memory.abort(slot)
+                    self._settle(lk, fut, False)
 
-    def _promote(self, lk: bytes, slot: int, tenant: str, fut: Promotion) -> None:
-        """On an I/O thread: every rank's record of ``lk`` into ``slot``, then its check (on a verify
-        thread where there are some), which commits it and settles ``fut``."""
-        fut.began, fut.io_thread = time.monotonic(), threading.get_ident()
-        try:
-            checks = self._fetch_all_ranks(lk, slot, tenant)
-            fut.fetched = time.monotonic()
-            if checks is None:
-                self._memory.abort(slot)
-                self._settle(lk, fut, False)
-                return
-            if self._verify is None:
-                self._verify_promotion(lk, slot, checks, fut)
-            else:
-                self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
-        except Exception:
-            log.exception("hpkv: promotion failed")
-            self._memory.abort(slot)
-            self._settle(lk, fut, False)
+    def _promote_many(self, share: list[tuple[bytes, int, str, Promotion]]) -> None:
+        """On an I/O thread: every rank's record of each chunk of ``share`` into its slot, BATCH
+        chunks at a time (a tier that reads batches, storage, reads them in one native call), then
+        each one's check (on a verify thread where there are some), which commits it and settles
+        its future."""
+        for at in range(0, len(share), BATCH):
+            part = share[at : at + BATCH]
+            began = time.monotonic()
+            for *_, fut in part:
+                fut.began, fut.io_thread = began, threading.get_ident()
+            try:
+                fetched = self._fetch_part(part)
+            except Exception:
+                log.exception("hpkv: promotion failed")
+                fetched = [None] * len(part)
+            for (lk, slot, _tenant, fut), checks in zip(part, fetched, strict=True):
+                fut.fetched = time.monotonic()
+                if checks is None:
+                    self._memory.abort(slot)
+                    self._settle(lk, fut, False)
+                elif self._verify is None:
+                    self._verify_promotion(lk, slot, checks, fut)
+                else:
+                    self._verify.submit(self._verify_promotion, lk, slot, checks, fut)
 
     def _verify_promotion(
         self, lk: bytes, slot: int, checks: list[Callable[[], bool]], fut: Promotion
@@ -186,17 +206,49 @@ class Promoter:
 
     # -- reads of one chunk ----------------------------------------------------------------
 
-    def _fetch_all_ranks(self, lk: bytes, slot: int, tenant: str) -> list[Callable[[], bool]] | None:
-        off = slot * self._slot_bytes
-        checks = []
+    def _fetch_part(
+        self, part: list[tuple[bytes, int, str, Promotion]]
+    ) -> list[list[Callable[[], bool]] | None]:
+        """Every rank's record of each chunk of ``part`` into its slot: per chunk its checks, or
+        None (a rank had it nowhere). The chunks a rank's first tier holds, when that tier reads
+        batches (``fetch_many``), are read in one call; the rest tier by tier."""
+        out: list[list[Callable[[], bool]] | None] = [[] for _ in part]
         for i, pool in enumerate(self._pools):
-            check = self._fetch_from(
-                self._slow_tiers(i), self._record_key(i, lk), pool.view[off : off + self._slot_bytes], tenant
-            )
-            if check is None:
-                return None
-            checks.append(check)
-        return checks
+            tiers = self._slow_tiers(i)
+            rks = [self._record_key(i, lk) for lk, *_ in part]
+            bufs = [
+                pool.view[slot * self._slot_bytes : (slot + 1) * self._slot_bytes] for _, slot, *_ in part
+            ]
+            first: list[Callable[[], bool] | None] = [None] * len(part)
+            rest = tiers
+            fetch_many = getattr(tiers[0], "fetch_many", None) if tiers and not tiers[0].remote else None
+            if fetch_many is not None:
+                rest = tiers[1:]
+                held = [
+                    j
+                    for j, (rk, (_, _, tenant, _)) in enumerate(zip(rks, part, strict=True))
+                    if out[j] is not None and tiers[0].contains_many([rk], tenant)[0]
+                ]
+                for j, check in zip(
+                    held, fetch_many([rks[j] for j in held], [bufs[j] for j in held]), strict=True
+                ):
+                    if check is not None:
+                        first[j] = self._or_else(check, rest, rks[j], bufs[j], part[j][2])
+            for j, checks in enumerate(out):
+                if checks is None:
+                    continue
+                check = first[j] or self._fetch_from(rest, rks[j], bufs[j], part[j][2])
+                if check is None:
+                    out[j] = None
+                else:
+                    checks.append(check)
+        return out
+
+    def _or_else(
+        self, check: Callable[[], bool], tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str
+    ) -> Callable[[], bool]:
+        """``check``, or when it fails the record read again from ``tiers``, checked as it goes."""
+        return lambda: check() or self._read_from(tiers, rk, buf, tenant)
 
     def _fetch_from(
         self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str
@@ -209,8 +261,7 @@ class Promoter:
                 continue
             check = t.fetch_into(rk, buf, tenant)
             if check is not None:
-                rest = tiers[n + 1 :]
-                return lambda: check() or self._read_from(rest, rk, buf, tenant)
+                return self._or_else(check, tiers[n + 1 :], rk, buf, tenant)
         return None
 
     def _read_from(self, tiers: list[Tier], rk: bytes, buf: memoryview, tenant: str) -> bool:
