@@ -132,7 +132,9 @@ def _private_many(
     """On an I/O thread: the chunks ``which`` that have no slot. Those whose storage files the page
     cache holds land where ``into`` says, the whole share in one native call; the others are read
     one by one into this thread's buffer and consumed from there."""
-    pieces = {i: p for i in which if (p := into(i) if into is not None else None) is not None}
+    pieces: dict[int, list[memoryview]] = {}
+    if into is not None:
+        pieces = {i: p for i in which if (p := into(i)) is not None}
     done: dict[int, bool] = {}
     if pieces:
         got = eng.read_direct([keys[i] for i in pieces], list(pieces.values()))

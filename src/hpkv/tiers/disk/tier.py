@@ -241,6 +241,11 @@ class StorageTier:
             self._error("read", path, OSError(r.errno, os.strerror(r.errno), path))
             self._stats.add("misses")
             return None
+        return self._found(key, r, bufs)
+
+    def _found(self, key: bytes, r: native.Read, bufs: list[memoryview]) -> record.Verdict:
+        """The verdict of a record the native reader read and checked (a MAC'd record's MAC is
+        checked here, over ``bufs``)."""
         verdict = record.VERDICTS[r.status]
         if verdict is record.Verdict.OK and record.current_auth_key() is not None:
             verdict = record.check_pieces(bufs, self.namespace, key, self.payload_bytes)
@@ -283,17 +288,10 @@ class StorageTier:
         for i, (path, bufs, key), r in zip(todo, jobs, reads, strict=True):
             if r.status in (native.NOT_CACHED, native.NOT_FOUND, native.NOT_REGULAR, native.IO_ERROR):
                 continue  # read_into deals with it (and counts what it finds)
-            verdict = record.VERDICTS[r.status]
-            if verdict is record.Verdict.OK and record.current_auth_key() is not None:
-                verdict = record.check_pieces(bufs, self.namespace, key, self.payload_bytes)
-            if verdict is not record.Verdict.OK:
-                self._failed(key, path, r.inode, verdict)
-                out[i] = False
-                continue
-            self.count_hit(key)
-            with self._lock:
-                self._in_place += 1
-            out[i] = True
+            out[i] = self._judge(key, path, r.inode, self._found(key, r, bufs))()
+            if out[i]:
+                with self._lock:
+                    self._in_place += 1
         return out
 
     def count_hit(self, key: bytes) -> None:
