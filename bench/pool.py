@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from hpkv.core.config import HpkvConfig
-from hpkv.engine.memory import MemorySlots
+from hpkv.tiers.memory.bookkeeping import MemorySlots
 from hpkv.tiers.memory.hostslots import HostSlots, stop_pool
 
 SLOT = 1 << 16
