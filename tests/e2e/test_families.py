@@ -2,10 +2,11 @@
 from storage after a restart, a mixed hit (memory, then storage) and a Valkey hit give the cold
 run's greedy tokens, and hpkv's counters show that tier served it.
 
-Sliding-window families (Gemma 3, gpt-oss) run with vLLM's hybrid KV cache manager turned off, as
-vLLM does for a connector without ``SupportsHMA``: every layer keeps every token's KV, and hpkv
-stores and loads them all. DeepSeek-V3 keeps one MLA latent per token and layer. The families
-vLLM refuses with hpkv attached (linear attention, Mamba) are listed in README.
+Sliding-window families (Gemma 3, gpt-oss) run with vLLM's hybrid KV cache manager on (hpkv's
+connector is ``SupportsHMA``): a KV cache group per window, each with its own blocks, the tokens
+before a window in vLLM's null block; hpkv's loads are asynchronous there (a failed one is the
+request's). DeepSeek-V3 keeps one MLA latent per token and layer. The families hpkv refuses
+(linear attention, Mamba) are listed in README.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def test_every_tier_serves_the_family_the_cold_tokens(arch: str, valkey: ValkeyS
     try:
         prompts = [words_prompt(model, N, seed=100 + i) for i in range(3)]
         cold = [greedy(s, p, 8) for p in prompts]
-        assert "Turning off hybrid kv cache manager" in s.log_tail(400_000) or arch == "deepseek-v3"
+        log = s.log_tail(400_000)
+        assert "Turning off hybrid kv cache manager" not in log
+        assert ("KV cache groups (" in log and "sw128x" in log) == (arch != "deepseek-v3"), arch
 
         def same(i: int, tier: str, **want: int) -> None:
             c = Counters(s)
@@ -79,6 +82,27 @@ def test_every_tier_serves_the_family_the_cold_tokens(arch: str, valkey: ValkeyS
         shutil.rmtree(storage)  # Valkey alone holds the third prompt now
         s.start()
         same(2, "valkey", valkey__hits=3, storage__hits=0, connector__loaded_tokens=3 * CHUNK)
+    finally:
+        s.stop()
+        shutil.rmtree(s.env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_a_model_with_state_layers_stops_at_start_naming_its_group() -> None:
+    """vLLM keeps its hybrid KV cache manager on for hpkv: a linear-attention hybrid reaches the
+    connector, which stops the engine with what it cannot store and what to do."""
+    from hpkv.bench.demo_model import write_demo_model
+    from hpkv.bench.server import ServerError
+
+    tmp = tempfile.mkdtemp(prefix="hpkv-e2e-qwen3-next-")
+    model = os.path.join(tmp, "model")
+    write_demo_model(model, arch="qwen3-next")
+    s = make_server(model, tmp, "qwen3-next", 8544)
+    try:
+        with pytest.raises(ServerError):
+            s.start()
+        log = s.log_tail(400_000)
+        assert "keeps a state per request" in log and "without hpkv" in log
     finally:
         s.stop()
         shutil.rmtree(s.env["HPKV_SHARE_MEM_FILE_PATH"], ignore_errors=True)

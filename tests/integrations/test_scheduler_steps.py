@@ -1087,3 +1087,71 @@ def test_a_prompts_last_partial_block_is_left_to_the_engine_where_a_step_has_a_f
     assert sim.pinned() == 0 and sim.cat.stats()[MEMORY]["hits"] == hits
     sim.s.request_finished(again)
     assert sim.pinned() == 0
+
+
+def test_with_a_window_a_chunk_is_stored_only_while_its_blocks_are_held_and_hits_load_async(
+    shm_dir: str, storage_dir: str
+) -> None:
+    """Two KV cache groups, full attention and a 16-token window (vLLM's hybrid KV cache manager):
+    a chunk whose window blocks vLLM may have freed before the step that completes it is not
+    stored (its blocks could hold another request's KV by then), nor one whose window blocks are
+    the null block; and every hit loads asynchronously (vLLM takes a failed load of such a model
+    only as the request's)."""
+    from hpkv.integrations.vllm.kvgroups import NULL_BLOCK, KVGroup, KVGroups
+
+    groups = KVGroups((KVGroup("full", 1), KVGroup("sliding", SMALL.num_layers - 1, window=16)))
+    cfg = HpkvConfig(
+        mem_pool_size="8M",
+        share_mem_file_path=shm_dir,
+        storage_path=storage_dir,
+        chunk_size=CHUNK,
+        memory_pool="engine",
+    )
+    s = HpkvScheduler(
+        cfg, Namespace("steps", SMALL, CHUNK, 0, 1), BLOCK, load=True, store=True, groups=groups
+    )
+    sim = Sim(s)
+    try:
+        tokens = prompt(4, seed=71)
+        req = sim.arrive(sim.request("w", tokens))
+        assert sim.lookup_settled(req) == 0
+        full, window = list(range(1, 10)), list(range(20, 29))
+        s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (full, window)), 0)
+        out = sim.step_output()
+        out.scheduled_new_reqs = [
+            SimpleNamespace(
+                req_id="w", prompt_token_ids=tokens, block_ids=(full, window), num_computed_tokens=0
+            )
+        ]
+        out.num_scheduled_tokens = {"w": 48}  # chunk 0 whole, chunk 1 half
+        out.total_num_scheduled_tokens = 48
+        first = s.build_connector_meta(out)
+        assert [st.block_ids for st in first.stores] == [[1, 2, 20, 21]]  # chunk 0, group after group
+        # The next step computes from 48: the window's blocks before token 33 may be freed by now.
+        cached = SimpleNamespace(
+            req_ids=["w"], new_block_ids=[None], resumed_req_ids=set(), num_computed_tokens=[48]
+        )
+        out2 = SimpleNamespace(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens={"w": len(tokens) - 48},
+            total_num_scheduled_tokens=len(tokens) - 48,
+        )
+        second = s.build_connector_meta(out2)
+        assert [st.block_ids for st in second.stores] == [[5, 6, 24, 25], [7, 8, 26, 27]]  # not chunk 1
+        sim.fill(first)
+        sim.fill(second)
+        sim.report({op: (1, 0) for op in sim.ops(first) + sim.ops(second)})
+        s.request_finished(req)
+
+        # A hit of chunk 0 from memory loads asynchronously; the window's null blocks stay in the list.
+        again = sim.arrive(sim.request("w2", tokens[: CHUNK + 1]))
+        n, asynchronous = s.get_num_new_matched_tokens(again, 0)
+        assert (n, asynchronous) == (CHUNK, True)
+        s.update_state_after_alloc(
+            again, SimpleNamespace(get_block_ids=lambda: ([40, 41, 42], [NULL_BLOCK, 51, 52])), CHUNK
+        )
+        [load] = s.build_connector_meta(sim.step_output()).loads
+        assert load.asynchronous and [c.block_ids for c in load.chunks] == [[40, 41, NULL_BLOCK, 51]]
+    finally:
+        s.shutdown()

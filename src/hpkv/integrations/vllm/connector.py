@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from hpkv.core import record
@@ -38,6 +39,7 @@ from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace
 from hpkv.core.layout import KVLayout
+from hpkv.integrations.vllm.kvgroups import KVGroups, describe_groups
 from hpkv.integrations.vllm.meta import HpkvMeta
 from hpkv.tiers.memory.hostslots import uses_host_pool
 from hpkv.tiers.memory.pool import agreed_pool_path
@@ -53,6 +55,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("hpkv")
+
+# vLLM's hybrid KV cache manager (several KV cache groups) is served where vLLM can take a failed
+# load as the request's (``failed_recving``, vLLM ≥ 0.32): it cannot map a failed block of a model
+# with several groups back to its request. With an older vLLM the connector does not declare
+# SupportsHMA, and vLLM runs such a model as one group, as it did before.
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    _HMA: tuple[type, ...] = (SupportsHMA,)
+except ImportError:
+    _HMA = ()
 
 
 def _setup_logging() -> None:
@@ -72,7 +85,7 @@ def defer_writes(write_behind: str) -> bool:
     return write_behind != "immediate"
 
 
-class HpkvConnectorV1(KVConnectorBase_V1):
+class HpkvConnectorV1(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
@@ -82,7 +95,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         extra = dict(ktc.kv_connector_extra_config or {})
         self.config = HpkvConfig.load(extra, source="kv_connector_extra_config")
         record.set_auth_key(self.config.auth_key_bytes)  # workers seal what they store
-        self.namespace, self.block_size, self.layer_names = _describe_engine(
+        self.namespace, self.block_size, self.layer_names, self.groups = _describe_engine(
             vllm_config, kv_cache_config, self.config
         )
         self._scheduler = None
@@ -109,8 +122,16 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 ],
                 gpu=not current_platform.is_cpu(),
                 device=_device_name(current_platform),
+                groups=self.groups,
             )
             _on_stop_signals(self._scheduler.stopping)
+            if self.groups.count > 1:
+                log.info(
+                    "hpkv: %d KV cache groups (%s): every group's KV of a chunk in one record, loads "
+                    "asynchronous",
+                    self.groups.count,
+                    self.groups.describe(),
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -126,6 +147,7 @@ class HpkvConnectorV1(KVConnectorBase_V1):
                 layerwise=self.config.layerwise_load,
                 start_pool=_start_pool_path(vllm_config, self.config, self.namespace, rank, worker=True),
                 config=self.config,
+                groups=self.groups,
             )
             self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
 
@@ -168,6 +190,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         done = self._worker.finished_loads() if self._worker is not None else set()
         return None, done or None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Several KV cache groups: a failed async load is the request's (vLLM recomputes it).
+        _, done = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_recving=set(done or ()) | failed, failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -209,6 +237,12 @@ class HpkvConnectorV1(KVConnectorBase_V1):
         delay = self._scheduler.request_finished(request) if self._scheduler is not None else False
         return delay, None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # vLLM's hybrid KV cache manager (SupportsHMA): the same, every group's blocks at once.
+        return self.request_finished(request, block_ids[0] if block_ids else [])
+
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
 
@@ -224,23 +258,18 @@ class HpkvConnectorV1(KVConnectorBase_V1):
 
 def _describe_engine(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, config: HpkvConfig
-) -> tuple[Namespace, int, list[str]]:
-    """Namespace (rank 0), engine block size and layer order, from what vLLM configured."""
+) -> tuple[Namespace, int, list[str], KVGroups]:
+    """Namespace (rank 0), engine block size, layer order (the record's: group after group) and
+    KV cache groups, from what vLLM configured."""
     if kv_cache_config is None:
         raise HpkvConfigError("hpkv needs vLLM's kv_cache_config (vLLM ≥ 0.11)")
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise HpkvConfigError(
-            f"hpkv supports models with one KV cache group (full attention); this model has {len(groups)}. "
-            "Run with --disable-hybrid-kv-cache-manager or without hpkv."
-        )
-    spec: Any = groups[0].kv_cache_spec
+    groups, layer_names, spec = describe_groups(kv_cache_config.kv_cache_groups)
     pc = vllm_config.parallel_config
     if pc.pipeline_parallel_size > 1:
         raise HpkvConfigError("hpkv does not support pipeline parallelism yet (--pipeline-parallel-size > 1)")
     mla = bool(getattr(spec, "use_mla", False)) or type(spec).__name__.startswith("MLA")
     layout = KVLayout(
-        num_layers=len(groups[0].layer_names),
+        num_layers=len(layer_names),
         num_kv_heads=int(spec.num_kv_heads),
         head_dim=int(spec.head_size),
         dtype=spec.dtype,
@@ -253,8 +282,12 @@ def _describe_engine(
     kv_dtype = getattr(vllm_config.cache_config, "cache_dtype", "auto")
     quant = getattr(mc, "quantization", None) or "none"
     model_id = f"{mc.model}@{mc.revision or ''}#{fingerprint}|kv={kv_dtype}|q={quant}"
+    if groups.count > 1:
+        # The record's layers go group after group: another grouping is another record.
+        order = hashlib.sha256("\n".join(layer_names).encode()).hexdigest()[:8]
+        model_id += f"|groups={groups.describe()}#{order}"
     ns = Namespace(model_id, layout, config.chunk_size, 0, pc.tensor_parallel_size, config.salt)
-    return ns, int(spec.block_size), list(groups[0].layer_names)
+    return ns, int(spec.block_size), layer_names, groups
 
 
 def _start_pool_path(

@@ -1,12 +1,12 @@
 """What kinds of layers a model has, read from its ``config.json``, and whether hpkv can serve it on
 vLLM.
 
-hpkv's connector does not implement vLLM's ``SupportsHMA``, so vLLM turns its hybrid KV cache manager
-off when hpkv is attached. A model whose layers all keep attention KV per token (full attention,
-sliding-window layers, MLA's latent) then runs as one KV cache group, every layer keeping every
-token, and hpkv serves it. A model with linear-attention or Mamba layers keeps a state per request
-instead, which vLLM serves only with that manager on: with hpkv attached it stops at start with
-"Failed to promote local KV cache specs to one unified type". :func:`refusal` says so first.
+hpkv's connector serves vLLM's hybrid KV cache manager (``SupportsHMA``, vLLM ≥ 0.32): a model
+whose layers all keep attention KV per token (full attention, sliding-window or chunked local layers,
+MLA's latent) runs with a KV cache group per kind of layer, and hpkv stores every group's KV of a
+chunk (kvgroups.py). A model with linear-attention or Mamba layers keeps a state per request instead,
+which hpkv does not store yet: the connector stops at start naming the group, and :func:`refusal`
+says so before vLLM starts.
 """
 
 from __future__ import annotations
@@ -63,8 +63,6 @@ def refusal(cfg: dict[str, Any]) -> str | None:
     arch = ", ".join(cfg.get("architectures") or [str(cfg.get("model_type", "this model"))])
     return (
         f"hpkv cannot serve {arch} on vLLM yet: it has {' and '.join(kinds)} layers, and its "
-        f"{' and '.join(state)} layers keep a state per request that vLLM serves only with its hybrid "
-        "KV cache manager, which vLLM turns off for a connector without SupportsHMA (vLLM would stop at "
-        "start: 'Failed to promote local KV cache specs to one unified type'). Serve this model without "
-        "hpkv (vllm serve MODEL, no --kv-transfer-config)."
+        f"{' and '.join(state)} layers keep a state per request (not KV per token), which hpkv does not "
+        "store. Serve this model without hpkv (vllm serve MODEL, no --kv-transfer-config)."
     )

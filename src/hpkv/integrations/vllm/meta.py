@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 class ChunkLoad:
     slot: int  # pool slot holding the chunk (same slot in every rank's pool)
     lk: bytes  # logical key; each rank derives its record key from it
-    block_ids: list[int]  # engine blocks holding the chunk's tokens, in order
+    block_ids: list[int]  # engine blocks holding the chunk's tokens, in order, group after group
     first: int  # first token of the chunk to copy (a multiple of the block size)
     count: int  # tokens to copy
 

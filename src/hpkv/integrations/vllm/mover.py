@@ -29,12 +29,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hpkv.core.procs import name_os_thread
 from hpkv.integrations.vllm.paged import PagedKV
+
+if TYPE_CHECKING:
+    from hpkv.integrations.vllm.kvgroups import GroupedPagedKV
 
 log = logging.getLogger("hpkv")
 
@@ -94,7 +97,7 @@ def cuda_host_unregister(t: torch.Tensor) -> None:
 
 
 class Mover:
-    def __init__(self, paged: PagedKV, layerwise: bool = False) -> None:
+    def __init__(self, paged: PagedKV | GroupedPagedKV, layerwise: bool = False) -> None:
         self.paged = paged
         self.device = paged.device
         self.cuda = self.device.type == "cuda"
@@ -129,7 +132,7 @@ class Mover:
         t0 = time.perf_counter()
         bs = self.paged.block_size
         nb = max(1, chunk_tokens // bs)
-        zeros = [0] * nb
+        zeros = self.paged.null_chunk(nb)
         spec = [(zeros, 0, nb * bs)]
         nbytes = self.paged.layout.chunk_bytes(nb * bs)
         for name in ("load1", "store0", "store1"):

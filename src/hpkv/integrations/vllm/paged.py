@@ -66,6 +66,10 @@ class PagedKV:
                     self.use_kernels = True
                     self._tables = (whole, [kernels.PartTable(list(v.parts)) for v in self.layers])
 
+    def null_chunk(self, blocks: int) -> list[int]:
+        """A chunk's block list naming only vLLM's null block (block 0), for warming up copies."""
+        return [0] * blocks
+
     def _views(self, t: torch.Tensor) -> LayerViews:
         L = self.layout
         if t.dtype != L.dtype:

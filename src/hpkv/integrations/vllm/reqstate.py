@@ -38,7 +38,7 @@ ALLOWED: dict[LoadPhase, frozenset[LoadPhase]] = {
 class ReqState:
     lookup: Lookup  # no keys when hpkv does not touch the request (see identity.py)
     prompt_len: int
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     next_store: int = 0
     load: LoadPhase = LoadPhase.NONE
     lease: list[int] = field(default_factory=list)  # pinned slots of chunks [lease_first, ...)
@@ -68,6 +68,10 @@ class ReqState:
             raise IllegalTransition(f"a request's load cannot go from {self.load.value} to {phase.value}")
         self.load = phase
 
+    def chunk_blocks(self, j: int, per_chunk: int) -> list[int]:
+        """Chunk ``j``'s blocks, group after group (see kvgroups.py)."""
+        return [b for ids in self.block_ids for b in ids[j * per_chunk : (j + 1) * per_chunk]]
+
     def leased_chunks(self, chunk: int, block: int) -> list[ChunkLoad]:
         """A synchronous load's chunks: each leased slot's share of the tokens to load, and its blocks."""
         per_chunk, end = chunk // block, self.load_start + self.load_tokens
@@ -76,7 +80,7 @@ class ReqState:
             j = self.lease_first + n
             lo, hi = max(j * chunk, self.load_start), min((j + 1) * chunk, end)
             if hi > lo:
-                blocks = self.block_ids[j * per_chunk : (j + 1) * per_chunk]
+                blocks = self.chunk_blocks(j, per_chunk)
                 out.append(ChunkLoad(slot, self.lks[j], blocks, lo - j * chunk, hi - lo))
         return out
 

@@ -23,6 +23,7 @@ from hpkv.engine.interface import MEMORY, NO_ROOM, Asked, Hit, Miss, SteppedEngi
 from hpkv.engine.lookup import Lookup
 from hpkv.integrations.statsfile import Refresher, StatsFile
 from hpkv.integrations.vllm.identity import IdentityReader, prompt_length
+from hpkv.integrations.vllm.kvgroups import NULL_BLOCK, KVGroup, KVGroups
 from hpkv.integrations.vllm.logs import PoolFullLog, staged_line
 from hpkv.integrations.vllm.meta import ChunkLoad, HpkvMeta, HpkvWorkerMeta, LoadRequest, StoreChunk
 from hpkv.integrations.vllm.reqstate import LoadPhase, Op, ReqState
@@ -67,12 +68,14 @@ class HpkvScheduler:
         adopt_pools: list[str | None] | None = None,
         gpu: bool = False,
         device: str = "",
+        groups: KVGroups | None = None,
     ) -> None:
         """``defer_cascade`` (``HPKV_WRITE_BEHIND``, see connector.defer_writes): the
         write-behind waits for idle time (see :meth:`Catalog.step_scheduled`). ``adopt_pools``: per
         rank, the pool file its worker made at start, if it did (see connector.py). ``gpu``: the
         engine's KV is on a GPU, where a load's copies can run beside a step (``HPKV_ASYNC_LOAD=auto``).
-        ``device``: the engine's device name, under which its measured rates are kept (engine/costs.py)."""
+        ``device``: the engine's device name, under which its measured rates are kept (engine/costs.py).
+        ``groups``: vLLM's KV cache groups (kvgroups.py); one full-attention group if not given."""
         if config.chunk_size % block_size:
             why = f"is not a multiple of the engine's --block-size {block_size}"
             raise config.refuse("chunk_size", why, f"{block_size * max(1, config.chunk_size // block_size)}")
@@ -82,6 +85,7 @@ class HpkvScheduler:
         self.load_enabled = load
         self.gpu = gpu
         self.store_enabled = store
+        self.groups = groups or KVGroups((KVGroup("full", namespace.layout.num_layers),))
         self.catalog: SteppedEngine = Catalog(
             config, namespace, defer_cascade=defer_cascade, adopt_pools=adopt_pools
         )
@@ -317,7 +321,7 @@ class HpkvScheduler:
                 self._end_async(st)
                 return
             # The request waits for its KV unscheduled: its blocks come from here, not from a step.
-            st.block_ids = list(blocks.get_block_ids()[0])
+            st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
             st.load_tokens = min(st.load_tokens, num_external)
             st.async_op = self._new_op(
                 Op("load", [], remaining=self.world_size, tokens=st.load_tokens, req_id=request.request_id)
@@ -345,8 +349,9 @@ class HpkvScheduler:
             self._idle_wait()  # not with a computing step in flight: its output waits on this thread
         for new in so.scheduled_new_reqs:
             st = self._seen(new.req_id, new.prompt_token_ids)
-            st.block_ids = list(new.block_ids[0])
-            self._plan(meta, new.req_id, st, new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+            st.block_ids = [list(ids) for ids in new.block_ids]
+            before = new.num_computed_tokens
+            self._plan(meta, new.req_id, st, before, before + so.num_scheduled_tokens[new.req_id])
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             known = self._reqs.get(req_id)
@@ -354,10 +359,14 @@ class HpkvScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                known.block_ids = list(new_ids[0]) if new_ids else []
+                known.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                known.block_ids.extend(new_ids[0])
-            self._plan(meta, req_id, known, cached.num_computed_tokens[i] + so.num_scheduled_tokens[req_id])
+                if not known.block_ids:
+                    known.block_ids = [[] for _ in new_ids]
+                for mine, ids in zip(known.block_ids, new_ids, strict=True):
+                    mine.extend(ids)
+            before = cached.num_computed_tokens[i]
+            self._plan(meta, req_id, known, before, before + so.num_scheduled_tokens[req_id])
         for req_id, st in list(self._async.items()):
             part = self._async_part(req_id, st)
             if part is not None:
@@ -384,16 +393,12 @@ class HpkvScheduler:
             if hi <= lo:  # outside what vLLM asked for (its own prefix cache has it)
                 self.catalog.finish_load([slot])
                 continue
-            chunks.append(
-                ChunkLoad(
-                    slot, st.lks[j], st.block_ids[j * per_chunk : (j + 1) * per_chunk], lo - j * C, hi - lo
-                )
-            )
+            chunks.append(ChunkLoad(slot, st.lks[j], st.chunk_blocks(j, per_chunk), lo - j * C, hi - lo))
         for i in got.failed:
             j = st.hit_first + i
             lo, hi = max(j * C, start), min((j + 1) * C, end)
-            blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
-            failed_blocks.extend(blocks[(lo - j * C) // bs : -(-(hi - j * C) // bs)])
+            blocks = st.chunk_blocks(j, per_chunk)
+            failed_blocks.extend(self.groups.token_blocks(blocks, lo - j * C, hi - j * C, bs))
             op.tokens -= max(0, hi - lo)
         op.slots.extend(c.slot for c in chunks)
         last = not got.waiting
@@ -425,7 +430,12 @@ class HpkvScheduler:
             since=st.since,
         )
 
-    def _plan(self, meta: HpkvMeta, req_id: str, st: ReqState, computed_after: int) -> None:
+    def _plan(
+        self, meta: HpkvMeta, req_id: str, st: ReqState, computed_before: int, computed_after: int
+    ) -> None:
+        """This step's load of the request (if scheduled) and the stores of the chunks it completes.
+        ``computed_before``: the request's computed tokens before the step; a chunk starting
+        before what every group still holds then (a window's freed blocks) is not stored."""
         C, bs = self.chunk_size, self.block_size
         per_chunk = C // bs
         if st.load is LoadPhase.SCHEDULED:
@@ -441,6 +451,12 @@ class HpkvScheduler:
         if st.next_store >= limit:
             return
         first, st.next_store = st.next_store, limit
+        first = max(first, -(-self.groups.kept_from(computed_before) // C))
+        # A window's null blocks (a hit's, vLLM's or hpkv's) are at the front: nothing to store.
+        while first < limit and self.groups.count > 1 and NULL_BLOCK in st.chunk_blocks(first, per_chunk):
+            first += 1
+        if first >= limit:
+            return
         # A chunk a slower tier holds is not written again, unless the hit left it to the engine as
         # slower to read than to compute: the engine's KV of it then goes into memory, so the next
         # hit loads it from there (the write-behind finds storage holding it). One batch per
@@ -454,7 +470,7 @@ class HpkvScheduler:
                 continue
             if not isinstance(reserved, int):
                 continue
-            blocks = st.block_ids[j * per_chunk : (j + 1) * per_chunk]
+            blocks = st.chunk_blocks(j, per_chunk)
             op = self._new_op(
                 Op("store", [reserved], lk=lk, remaining=self.world_size, tokens=C, tenant=st.tenant)
             )
@@ -577,6 +593,10 @@ class HpkvScheduler:
         overlap, and one engine step less), as does a load shorter than a chunk (the tail after
         vLLM's own prefix-cache hit, the commonest: its copy is far shorter than the engine step
         an async load adds)."""
+        if self.groups.count > 1:
+            # vLLM takes a failed block only from a model with one KV cache group; with several, a
+            # load that fails must be the request's (failed_recving), which an async load is.
+            return tokens > 0
         mode = self.config.async_load
         if mode == "auto":
             return self.gpu and tokens >= self.chunk_size and (slow or self._busy())

@@ -28,6 +28,7 @@ from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace, record_key
+from hpkv.integrations.vllm.kvgroups import GroupedPagedKV, KVGroups
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
 from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem
 from hpkv.integrations.vllm.paged import PagedKV
@@ -61,9 +62,12 @@ class HpkvWorker:
         *,
         start_pool: str | None = None,
         config: HpkvConfig | None = None,
+        groups: KVGroups | None = None,
     ) -> None:
         """``start_pool``: where to make this rank's pool file at start, for the scheduler to map
-        (``config`` gives its size and settings); None: map the scheduler's at the first step."""
+        (``config`` gives its size and settings); None: map the scheduler's at the first step.
+        ``groups``: vLLM's KV cache groups when there are several (kvgroups.py): their loads are all
+        asynchronous, and one that fails is reported as its request's (:meth:`take_failed_loads`)."""
         self.ns = namespace
         self.rank = namespace.rank
         self.rank_digest = namespace.digest
@@ -74,7 +78,9 @@ class HpkvWorker:
         self._shard = f" [rank 0's shard of {namespace.world_size}]" if namespace.world_size > 1 else ""
         self.record_bytes = record.record_bytes(self.payload_bytes)
         self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
-        self.paged: PagedKV | None = None
+        self.paged: PagedKV | GroupedPagedKV | None = None
+        self.groups = groups if groups is not None and groups.count > 1 else None
+        self._failed_reqs: set[str] = set()  # several groups: async loads that failed here
         self.mover: Mover | None = None
         self.layerwise = layerwise
         self._lock = threading.Lock()  # results are also written by the mover's completion thread
@@ -93,8 +99,12 @@ class HpkvWorker:
         self._computes = False
 
     def register_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
-        self.mover = Mover(self.paged, layerwise=self.layerwise)
+        if self.groups is not None:
+            self.paged = GroupedPagedKV(caches, self.block_size, self.ns.layout, self.backend, self.groups)
+        else:
+            self.paged = PagedKV(caches, self.block_size, self.ns.layout, self.backend)
+        # Layer by layer follows the record's order, group after group, not the model's.
+        self.mover = Mover(self.paged, layerwise=self.layerwise and self.groups is None)
         took = self.mover.warm_up(self.chunk_size)
         if took and self.rank == 0:
             log.info("hpkv: GPU copy kernels compiled and staging allocated in %.0f ms", took * 1e3)
@@ -218,7 +228,9 @@ class HpkvWorker:
         if st is None:
             st = self._async[req.op_id] = _AsyncLoad(req, t0=time.perf_counter())
         st.req = req
-        self._load_errors.update(req.failed_blocks)
+        if req.failed_blocks and self.groups is not None:
+            st.failed = True  # reported as the request's when the load ends
+        self._load_errors.update(req.failed_blocks if self.groups is None else ())
         if st.failed:  # an earlier part failed a check: vLLM recomputes from there anyway
             return
         items: list[LoadItem] = []
@@ -251,6 +263,8 @@ class HpkvWorker:
             with self._lock:
                 self._results[op_id] = (0, 1) if st.failed else (1, 0)
             done.add(st.req.req_id)
+            if st.failed and self.groups is not None:
+                self._failed_reqs.add(st.req.req_id)
             if self.rank == 0 and st.loaded:
                 last = ""
                 if st.copies:  # the device's span from the first copy to the last, waits between included
@@ -292,7 +306,7 @@ class HpkvWorker:
                 break
             items.append(LoadItem(payload, ch.block_ids, ch.first, ch.count))
             loaded += ch.count
-        if failed_from is not None:
+        if failed_from is not None and self.groups is None:
             for ch in req.chunks[failed_from:]:
                 first_block = ch.first // self.block_size
                 last_block = -(-(ch.first + ch.count) // self.block_size)
@@ -400,6 +414,12 @@ class HpkvWorker:
     def take_load_errors(self) -> set[int]:
         errs, self._load_errors = self._load_errors, set()
         return errs
+
+    def take_failed_loads(self) -> set[str]:
+        """Several groups: requests whose async load failed here since the last call (each also
+        among :meth:`finished_loads`); vLLM recomputes them."""
+        failed, self._failed_reqs = self._failed_reqs, set()
+        return failed
 
     def shutdown(self) -> None:
         if self.mover is not None:
