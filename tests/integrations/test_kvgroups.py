@@ -59,7 +59,8 @@ def test_the_batched_forms_agree_with_the_single_ones() -> None:
         assert torch.equal(row, one)
 
     a, b = caches(fill=False), caches(fill=False)
-    specs = [([15, 16, NULL_BLOCK, 17], 0, 2 * BS - 1), ([18, 19, 20, 21], BS, BS)]
+    # A null block at the front of a window, and one after a real block: neither is written.
+    specs = [([15, 16, NULL_BLOCK, 17], 0, 2 * BS - 1), ([18, 19, 20, NULL_BLOCK], 0, 2 * BS)]
     GroupedPagedKV(a, BS, LAYOUT, "CPU_ATTN", GROUPS).scatter_many(buf, specs)
     for row, (ids, first, count) in zip(buf, specs, strict=True):
         GroupedPagedKV(b, BS, LAYOUT, "CPU_ATTN", GROUPS).scatter(row, ids, first, count)

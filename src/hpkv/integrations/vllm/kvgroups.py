@@ -188,14 +188,21 @@ class GroupedPagedKV:
         per = len(block_ids) // self.groups.count
         return [block_ids[g * per : (g + 1) * per] for g in range(self.groups.count)]
 
-    def _trim(self, ids: Sequence[int], first: int, count: int) -> tuple[int, int]:
-        """(first, count) past the group's null blocks (a window's, always at the front)."""
-        bs = self.block_size
+    def _segments(self, ids: Sequence[int], first: int, count: int) -> list[tuple[int, int]]:
+        """Tokens ``[first, first+count)`` as (first, count) runs over real blocks: a window's null
+        blocks (vLLM's placeholder, which it reads as empty) are never written."""
+        bs, end = self.block_size, first + count
+        out: list[tuple[int, int]] = []
         b = first // bs
-        while b < len(ids) and ids[b] == NULL_BLOCK and b * bs < first + count:
-            b += 1
-        start = max(first, b * bs)
-        return start, max(0, first + count - start)
+        while b * bs < end and b < len(ids):
+            if ids[b] == NULL_BLOCK:
+                b += 1
+                continue
+            lo = max(first, b * bs)
+            while b * bs < end and b < len(ids) and ids[b] != NULL_BLOCK:
+                b += 1
+            out.append((lo, min(end, b * bs) - lo))
+        return out
 
     def gather(self, payload: torch.Tensor, block_ids: Sequence[int]) -> None:
         split = self._split(block_ids)
@@ -205,33 +212,20 @@ class GroupedPagedKV:
     def scatter(self, payload: torch.Tensor, block_ids: Sequence[int], first: int, count: int) -> None:
         split = self._split(block_ids)
         for p, ids, (lo, hi) in zip(self.parts, split, self._sections(len(split[0])), strict=True):
-            f, n = self._trim(ids, first, count)
-            if n:
+            for f, n in self._segments(ids, first, count):
                 p.scatter(payload[lo:hi], ids, f, n)
 
+    # The batched forms serve the CUDA mover; several groups take the per-chunk path there too.
+
     def plan(self, specs: Sequence[Spec]) -> Any:
-        plans = []
-        for g, p in enumerate(self.parts):
-            mine = []
-            for ids, first, count in specs:
-                sub = self._split(ids)[g]
-                mine.append((sub, *self._trim(sub, first, count)))
-            plans.append((mine, p.plan(mine)))
-        return plans
+        return None
 
     def scatter_many(self, buf: torch.Tensor, specs: Sequence[Spec], plan: Any = None) -> None:
-        plan = plan or self.plan(specs)
-        nb = len(specs[0][0]) // self.groups.count
-        for p, (mine, sub), (lo, hi) in zip(self.parts, plan, self._sections(nb), strict=True):
-            p.scatter_many(buf[:, lo:hi], mine, sub)
+        for row, (ids, first, count) in zip(buf, specs, strict=True):
+            self.scatter(row, ids, first, count)
 
     def scatter_layer(self, li: int, buf: torch.Tensor, specs: Sequence[Spec], plan: Any = None) -> None:
-        plan = plan or self.plan(specs)
-        for p, (mine, sub) in zip(self.parts, plan, strict=True):
-            if li < p.layout.num_layers:
-                p.scatter_layer(li, buf, mine, sub)
-                return
-            li -= p.layout.num_layers
+        raise NotImplementedError("layer-by-layer loads take one KV cache group")
 
     def gather_many(self, buf: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> None:
         splits = [self._split(ids) for ids in block_ids]
