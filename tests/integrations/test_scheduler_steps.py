@@ -1153,5 +1153,8 @@ def test_with_a_window_a_chunk_is_stored_only_while_its_blocks_are_held_and_hits
         )
         [load] = s.build_connector_meta(sim.step_output()).loads
         assert load.asynchronous and [c.block_ids for c in load.chunks] == [[40, 41, NULL_BLOCK, 51]]
+        # Less than a chunk past the engine's own hit: not worth the step an async load costs.
+        tail = sim.arrive(sim.request("w3", tokens[: 2 * CHUNK + 5]))
+        assert s.get_num_new_matched_tokens(tail, 2 * CHUNK) == (0, False)
     finally:
         s.shutdown()

@@ -204,6 +204,11 @@ class HpkvScheduler:
         first = num_computed // C
         # What the engine's own prefix cache holds was computed, and offered to hpkv, before.
         st.next_store = max(st.next_store, first)
+        if self.groups.count > 1 and min(len(lk.lks) * C, st.prompt_len - 1) - num_computed < C:
+            # Several groups load asynchronously (see _load_async): the step that costs the engine
+            # is more than computing what is left after its own hit, less than a chunk.
+            self._counters["lookups_not_worth_a_load"] += 1
+            return 0, False
         if not st.asked:
             # Even a hit of every chunk from here would not pay for its load (the prompt's last
             # partial block after vLLM's own hit, the commonest): no lookup, no tier asked.
