@@ -59,7 +59,7 @@ log = logging.getLogger("hpkv")
 # vLLM's hybrid KV cache manager (several KV cache groups) is served where vLLM can take a failed
 # load as the request's (``failed_recving``, vLLM ≥ 0.32): it cannot map a failed block of a model
 # with several groups back to its request. With an older vLLM the connector does not declare
-# SupportsHMA, and vLLM runs such a model as one group, as it did before.
+# SupportsHMA, and vLLM runs such a model as one group (its hybrid manager off).
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
