@@ -72,13 +72,6 @@ class KVGroups:
         stored from the engine."""
         return max(g.skipped(computed) for g in self.groups)
 
-    def chunk_blocks(self, per_group: Sequence[Sequence[int]], j: int, per_chunk: int) -> list[int]:
-        """Chunk ``j``'s blocks, group after group, from each group's block table."""
-        out: list[int] = []
-        for ids in per_group:
-            out.extend(ids[j * per_chunk : (j + 1) * per_chunk])
-        return out
-
     def token_blocks(self, blocks: Sequence[int], first: int, end: int, block_size: int) -> list[int]:
         """The real blocks (null ones left out) of every group holding chunk tokens [first, end)."""
         per = len(blocks) // self.count

@@ -28,7 +28,7 @@ from hpkv.core import record
 from hpkv.core.config import HpkvConfig
 from hpkv.core.errors import HpkvConfigError
 from hpkv.core.keys import Namespace, record_key
-from hpkv.integrations.vllm.kvgroups import GroupedPagedKV, KVGroups
+from hpkv.integrations.vllm.kvgroups import GroupedPagedKV, KVGroup, KVGroups
 from hpkv.integrations.vllm.meta import HpkvMeta, HpkvWorkerMeta, LoadRequest
 from hpkv.integrations.vllm.mover import LoadItem, Mover, StoreItem
 from hpkv.integrations.vllm.paged import PagedKV
@@ -79,7 +79,8 @@ class HpkvWorker:
         self.record_bytes = record.record_bytes(self.payload_bytes)
         self.slot_bytes = -(-self.record_bytes // PAGE) * PAGE
         self.paged: PagedKV | GroupedPagedKV | None = None
-        self.groups = groups if groups is not None and groups.count > 1 else None
+        self._all_groups = groups or KVGroups((KVGroup("full", namespace.layout.num_layers),))
+        self.groups = self._all_groups if self._all_groups.count > 1 else None
         self._failed_reqs: set[str] = set()  # several groups: async loads that failed here
         self.mover: Mover | None = None
         self.layerwise = layerwise
@@ -308,9 +309,11 @@ class HpkvWorker:
             loaded += ch.count
         if failed_from is not None and self.groups is None:
             for ch in req.chunks[failed_from:]:
-                first_block = ch.first // self.block_size
-                last_block = -(-(ch.first + ch.count) // self.block_size)
-                self._load_errors.update(ch.block_ids[first_block:last_block])
+                self._load_errors.update(
+                    self._all_groups.token_blocks(
+                        ch.block_ids, ch.first, ch.first + ch.count, self.block_size
+                    )
+                )
         if report:
             with self._lock:
                 self._results[req.op_id] = (0, 1) if failed_from is not None else (1, 0)
